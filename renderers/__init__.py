@@ -1,5 +1,6 @@
 """Renderers: conversations to training tokens plus ``MultiModalData``."""
 
+from renderers.errors import RenderError, SampleError, SkipSample
 from renderers.types import (
     IMAGE_TOKEN_TYPE,
     TEXT_TOKEN_TYPE,
@@ -15,5 +16,8 @@ __all__ = [
     "VIDEO_TOKEN_TYPE",
     "MultiModalData",
     "PlaceholderRange",
+    "RenderError",
     "RenderedSample",
+    "SampleError",
+    "SkipSample",
 ]
