@@ -1,0 +1,57 @@
+"""AdamW with decay only where it belongs, and a warmup + cosine (or constant) schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from vlm_sft.config import TrainConfig
+
+NO_DECAY_NAME_PARTS = ("embed_tokens", "pos_embed", "norm", "bias", "A_log", "dt_bias")
+"""Parameters whose names contain one of these never decay: norms, biases, embeddings and the GDN decay terms."""
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW groups: decayed matrices, and the rest (1-D tensors and embeddings) without decay."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim < 2 or any(part in name for part in NO_DECAY_NAME_PARTS):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup, then cosine to the floor."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: lr_factor(
+            step,
+            warmup_steps=cfg.warmup_steps,
+            total_steps=total_steps,
+            schedule=cfg.schedule,
+            min_lr_ratio=cfg.min_lr_ratio,
+        ),
+    )
