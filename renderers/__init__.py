@@ -1,6 +1,12 @@
 """Renderers: conversations to training tokens plus ``MultiModalData``."""
 
+from renderers.content import ImageBlock, Message, TextBlock, normalize_messages
 from renderers.errors import RenderError, SampleError, SkipSample
+from renderers.image_cache import CachedImageProcessor, ImageCache, ProcessedImage
+from renderers.images import load_image
+from renderers.parity import TemplateParityError, check_template_parity, default_probe
+from renderers.qwen3_5 import Qwen3_5Renderer
+from renderers.registry import RENDERERS, get_renderer
 from renderers.types import (
     IMAGE_TOKEN_TYPE,
     TEXT_TOKEN_TYPE,
@@ -12,12 +18,26 @@ from renderers.types import (
 
 __all__ = [
     "IMAGE_TOKEN_TYPE",
+    "RENDERERS",
     "TEXT_TOKEN_TYPE",
     "VIDEO_TOKEN_TYPE",
+    "CachedImageProcessor",
+    "ImageBlock",
+    "ImageCache",
+    "Message",
     "MultiModalData",
     "PlaceholderRange",
+    "ProcessedImage",
+    "Qwen3_5Renderer",
     "RenderError",
     "RenderedSample",
     "SampleError",
     "SkipSample",
+    "TemplateParityError",
+    "TextBlock",
+    "check_template_parity",
+    "default_probe",
+    "get_renderer",
+    "load_image",
+    "normalize_messages",
 ]

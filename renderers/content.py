@@ -1,0 +1,291 @@
+"""Typed content blocks and the normalization of chat messages into them.
+
+Datasets spell the same conversation many ways: ``content`` as a string or a list of blocks, images under
+``image`` / ``url`` / ``path`` / ``base64`` / OpenAI's ``image_url``, reasoning under ``reasoning_content`` /
+``thinking`` / ``reasoning``, tool-call arguments as a dict or as a JSON string, and rows that went through Arrow
+carry ``None`` for every key another row had. This module turns all of them into one typed shape (``Message`` with
+``TextBlock`` / ``ImageBlock``), checks the conversation's structure, and hands the chat template plain dicts it
+renders exactly as it would render the original. Structural problems raise ``RenderError`` with a stable reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from renderers.errors import RenderError
+
+ROLES = ("system", "user", "assistant", "tool")
+"""Roles the renderer accepts (the Qwen3.5 template knows no others)."""
+
+IMAGE_KEYS = ("image", "url", "path", "base64", "image_url")
+"""Keys an image block may carry its source under, in the order they are looked up."""
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+_VIDEO_TYPES = frozenset({"video", "video_url", "input_video"})
+_IMAGE_TYPES = frozenset({"image", "image_url", "input_image"})
+_TEXT_TYPES = frozenset({"text", "input_text", "output_text"})
+
+
+@dataclass(frozen=True)
+class TextBlock:
+    """A run of text inside a message."""
+
+    text: str
+    """The text, verbatim (the chat template decides about surrounding whitespace)."""
+
+
+@dataclass(frozen=True)
+class ImageBlock:
+    """One image inside a message; the source is loaded later, by the renderer, so bad files fail per sample."""
+
+    source: Any
+    """A local path / ``file://`` URI / ``data:`` URI / base64 string, raw bytes, a PIL image, a numpy array, or a
+    ``{"bytes", "path"}`` dict as the datasets ``Image(decode=False)`` feature yields it."""
+    key: str = "image"
+    """The key the source came under; ``base64`` lets a bare string be read as base64 rather than as a path."""
+
+
+Block = TextBlock | ImageBlock
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message in normalized form."""
+
+    role: str
+    """One of ``ROLES``."""
+    content: str | tuple[Block, ...]
+    """A plain string (kept as a string so the template sees what the user wrote) or typed blocks."""
+    reasoning_content: str | None = None
+    """Assistant reasoning (rendered inside ``<think>``), from any of the accepted reasoning keys."""
+    tool_calls: tuple[dict, ...] = ()
+    """Assistant tool calls, OpenAI shape ``{"type": "function", "function": {"name", "arguments": dict}}``."""
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Other keys of the message (``name``, ``tool_call_id``, ...), passed to the template unchanged."""
+
+    @property
+    def blocks(self) -> tuple[Block, ...]:
+        """The content as blocks (a string content is one text block)."""
+        return (TextBlock(self.content),) if isinstance(self.content, str) else self.content
+
+    @property
+    def images(self) -> list[ImageBlock]:
+        return [b for b in self.blocks if isinstance(b, ImageBlock)]
+
+    def has_content(self) -> bool:
+        """True when the message carries any image or any non-blank text."""
+        return any(isinstance(b, ImageBlock) or b.text.strip() for b in self.blocks)
+
+
+def drop_none(value: Any) -> Any:
+    """Remove ``None`` dict values recursively: Arrow fills every struct field another row had with ``None``.
+
+    A value that really was ``null`` in the data (say a tool argument) is dropped too; Arrow cannot tell them apart.
+    """
+    if isinstance(value, Mapping):
+        return {k: drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [drop_none(v) for v in value]
+    return value
+
+
+def _image_source(block: Mapping) -> tuple[Any, str] | None:
+    for key in IMAGE_KEYS:
+        if key not in block:
+            continue
+        value = block[key]
+        if key == "image_url" and isinstance(value, Mapping):
+            value = value.get("url")
+        if value is not None:
+            return value, key
+    return None
+
+
+def normalize_block(block: Any) -> Block:
+    """One content entry to a typed block; unsupported entries raise ``RenderError``."""
+    if isinstance(block, str):
+        return TextBlock(block)
+    if not isinstance(block, Mapping):
+        raise RenderError("unknown_block_type", f"content block of type {type(block).__name__}: {block!r:.80}")
+    block = {k: v for k, v in block.items() if v is not None}
+    kind = block.get("type")
+    if kind in _VIDEO_TYPES or (kind is None and "video" in block):
+        raise RenderError("video_not_supported", "video is not supported yet")
+    if kind in _IMAGE_TYPES or (kind is None and _image_source(block) is not None):
+        found = _image_source(block)
+        if found is None:
+            raise RenderError("bad_image_source", f"image block without a source: {sorted(block)}")
+        return ImageBlock(found[0], found[1])
+    if kind in _TEXT_TYPES or (kind is None and "text" in block):
+        text = block.get("text", "")
+        if not isinstance(text, str):
+            raise RenderError("bad_content", f"text block whose text is a {type(text).__name__}")
+        return TextBlock(text)
+    raise RenderError("unknown_block_type", f"content block type {kind!r} (keys {sorted(block)})")
+
+
+def normalize_content(content: Any) -> str | tuple[Block, ...]:
+    """A message's content: a string stays a string; a list becomes typed blocks; ``None`` becomes ``""``."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Mapping):
+        content = [content]
+    if not isinstance(content, list | tuple):
+        raise RenderError("bad_content", f"message content of type {type(content).__name__}")
+    return tuple(normalize_block(b) for b in content)
+
+
+def normalize_tool_call(call: Any) -> dict:
+    """A tool call in OpenAI shape with its arguments as a dict (a JSON-string argument object is parsed)."""
+    if not isinstance(call, Mapping):
+        raise RenderError("bad_tool_call", f"tool call of type {type(call).__name__}")
+    call = dict(call)
+    function = call.get("function", call)
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+        raise RenderError("bad_tool_call", f"tool call without a function name: {call!r:.120}")
+    function = dict(function)
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise RenderError("bad_tool_call", f"tool call arguments are not JSON: {arguments!r:.120}") from e
+    if not isinstance(arguments, Mapping):
+        raise RenderError("bad_tool_call", f"tool call arguments must be an object, got {type(arguments).__name__}")
+    function["arguments"] = dict(arguments)
+    if "function" in call:
+        call["function"] = function
+        return call
+    return {"type": "function", "function": function}
+
+
+def normalize_message(message: Any) -> Message:
+    """A raw message dict (any accepted spelling) to a ``Message``."""
+    if not isinstance(message, Mapping):
+        raise RenderError("bad_message", f"message of type {type(message).__name__}")
+    message = {k: v for k, v in message.items() if v is not None}
+    role = message.get("role")
+    if role not in ROLES:
+        raise RenderError("unknown_role", f"role {role!r}; expected one of {', '.join(ROLES)}")
+    reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise RenderError("bad_content", f"reasoning of type {type(reasoning).__name__}")
+    calls = message.get("tool_calls") or ()
+    if not isinstance(calls, list | tuple):
+        raise RenderError("bad_tool_call", f"tool_calls of type {type(calls).__name__}")
+    skip = {"role", "content", "tool_calls", *_REASONING_KEYS}
+    return Message(
+        role=role,
+        content=normalize_content(message.get("content")),
+        reasoning_content=reasoning,
+        tool_calls=tuple(normalize_tool_call(c) for c in calls),
+        extra=tuple((k, v) for k, v in message.items() if k not in skip),
+    )
+
+
+def validate_structure(messages: Sequence[Message]) -> None:
+    """Raise ``RenderError`` for conversations the template cannot render meaningfully or that teach nothing.
+
+    Rules (from the Qwen3.5 template's own checks plus what SFT needs): a system message only first; the first
+    other message is a user turn; a tool result directly follows an assistant turn with tool calls or another tool
+    result; every message has content (an assistant turn may instead carry only tool calls); at least one
+    assistant turn. Consecutive assistant turns are allowed: the template renders them.
+    """
+    if not messages:
+        raise RenderError("empty_conversation", "no messages")
+    for i, m in enumerate(messages):
+        if m.role == "system" and i != 0:
+            raise RenderError("bad_role_order", f"system message at position {i}; it must be first")
+    first = 1 if messages[0].role == "system" else 0
+    if first >= len(messages) or messages[first].role != "user":
+        role = messages[first].role if first < len(messages) else "nothing"
+        raise RenderError("bad_role_order", f"the first non-system message must be a user turn, got {role}")
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            prev = messages[i - 1]
+            if not (prev.role == "tool" or (prev.role == "assistant" and prev.tool_calls)):
+                raise RenderError("bad_role_order", f"tool result at position {i} without a preceding tool call")
+        if not m.has_content() and not (m.role == "assistant" and m.tool_calls):
+            raise RenderError("empty_content", f"{m.role} message at position {i} has no content")
+    if not any(m.role == "assistant" for m in messages):
+        raise RenderError("no_assistant_turn", "no assistant turn: nothing to train on")
+
+
+def normalize_messages(messages: Any) -> tuple[Message, ...]:
+    """Normalize and validate a whole conversation."""
+    if not isinstance(messages, list | tuple):
+        raise RenderError("bad_message", f"messages must be a list, got {type(messages).__name__}")
+    normalized = tuple(normalize_message(m) for m in messages)
+    validate_structure(normalized)
+    return normalized
+
+
+def map_strings(value: Any, fn: Callable[[str], str]) -> Any:
+    """Apply ``fn`` to every string inside nested dicts / lists (keys included), returning new containers."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {map_strings(k, fn): map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [map_strings(v, fn) for v in value]
+    return value
+
+
+def map_message_text(message: Message, fn: Callable[[str], str]) -> Message:
+    """The message with ``fn`` applied to every user-written string (content, reasoning, tool calls, extras)."""
+    content = (
+        fn(message.content)
+        if isinstance(message.content, str)
+        else tuple(TextBlock(fn(b.text)) if isinstance(b, TextBlock) else b for b in message.content)
+    )
+    return Message(
+        role=message.role,
+        content=content,
+        reasoning_content=None if message.reasoning_content is None else fn(message.reasoning_content),
+        tool_calls=tuple(map_strings(c, fn) for c in message.tool_calls),
+        extra=tuple((k, map_strings(v, fn)) for k, v in message.extra),
+    )
+
+
+def iter_text(messages: Sequence[Message], tools: Sequence[Mapping] | None = None):
+    """Every user-written string of a conversation (and its tools), for scanning."""
+    found: list[str] = []
+
+    def keep(s: str) -> str:
+        found.append(s)
+        return s
+
+    for m in messages:
+        map_message_text(m, keep)
+    if tools:
+        map_strings(list(tools), keep)
+    return found
+
+
+def to_template_message(message: Message) -> dict:
+    """The dict the chat template sees: images become ``{"type": "image"}`` (templates only test for the key)."""
+    if isinstance(message.content, str):
+        content: Any = message.content
+    else:
+        content = [
+            {"type": "text", "text": b.text} if isinstance(b, TextBlock) else {"type": "image"} for b in message.content
+        ]
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    if message.tool_calls:
+        out["tool_calls"] = [dict(c) for c in message.tool_calls]
+    out.update(message.extra)
+    return out
+
+
+def string_content_to_blocks(content: Any) -> Any:
+    """Content as a list of typed blocks, so Arrow can store text-only and image rows in one column."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    return content

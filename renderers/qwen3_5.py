@@ -1,0 +1,290 @@
+"""The Qwen3.5 chat renderer: a conversation to training tokens, loss mask, modality types and image tensors.
+
+How one conversation is rendered (each step once, so the result is exact and cheap):
+
+1. normalize the messages into typed blocks and check their structure (``renderers.content``);
+2. apply the special-text policy to every user-written string (below);
+3. render the text with the processor's own chat template, once, with ``{% generation %}`` tracking, which gives
+   the character spans of every assistant turn (its content through its ``<|im_end|>``);
+4. tokenize that text once with the fast tokenizer, with character offsets;
+5. expand each ``<|image_pad|>`` to ``prod(grid_thw) // merge**2`` copies. ``<|image_pad|>`` is an added token,
+   so the tokenizer splits the text around it and expanding ids equals tokenizing the expanded text;
+6. the loss mask is every token that overlaps a trained generation span (the rule transformers uses for
+   ``return_assistant_tokens_mask``), minus vision tokens.
+
+So ``token_ids`` equal ``processor.apply_chat_template(messages, tokenize=True)`` and the images equal the
+processor's (``renderers.parity`` checks it against a loaded checkpoint).
+
+Special text ("phantom placeholders"). A user who types ``<|image_pad|>`` or ``<|im_end|>`` in a message would,
+through the template and tokenizer, produce a real image slot (misaligning image features: a multi-GPU run hangs)
+or end the turn early. Every special added token found in user-written text (content, reasoning, tool calls,
+tools) is handled by ``special_text``: ``"escape"`` (default) tokenizes its characters as ordinary text (the string
+is split after its first character, so the tokenizer cannot match the special token) and lists it in
+``metadata["escaped_special_text"]``; ``"drop"`` removes it (``metadata["dropped_special_text"]``);
+``"error"`` raises ``RenderError("special_token_in_text")``. Parity with ``apply_chat_template`` is defined only for
+conversations without such strings: the stock processor turns them into control tokens, which is the bug.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import jinja2
+import numpy as np
+import torch
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from renderers.content import (
+    ImageBlock,
+    Message,
+    iter_text,
+    map_message_text,
+    map_strings,
+    normalize_messages,
+    to_template_message,
+)
+from renderers.errors import RenderError
+from renderers.image_cache import CachedImageProcessor, ImageCache, ProcessedImage
+from renderers.types import IMAGE_TOKEN_TYPE, MultiModalData, PlaceholderRange, RenderedSample
+
+logger = logging.getLogger(__name__)
+
+LossOn = Literal["all_assistant", "last_assistant"]
+SpecialText = Literal["escape", "drop", "error"]
+
+_MARK_OPEN = "\ufdd0"
+"""Noncharacters (never valid in interchanged text) that bracket an escaped special string through the template."""
+_MARK_CLOSE = "\ufdd1"
+_MARK_RE = re.compile(f"[{_MARK_OPEN}{_MARK_CLOSE}]")
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _resolve_template(processor: Any, chat_template: str | None) -> str:
+    template = chat_template if chat_template is not None else getattr(processor, "chat_template", None)
+    if isinstance(template, Mapping):
+        template = template.get("default")
+    if not isinstance(template, str) or not template:
+        raise ValueError("the processor has no chat template; pass chat_template= or load a checkpoint that has one")
+    return template
+
+
+def _normalize_tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise RenderError("bad_tools", f"tools is not valid JSON: {tools!r:.80}") from e
+    if not isinstance(tools, list | tuple) or not all(isinstance(t, Mapping) for t in tools):
+        raise RenderError("bad_tools", f"tools must be a list of tool schemas, got {type(tools).__name__}")
+    return [dict(t) for t in tools] or None
+
+
+class Qwen3_5Renderer:
+    """Renders chat conversations for Qwen3.5 (and any Qwen2-VL-style processor with the same placeholders)."""
+
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        loss_on: LossOn = "all_assistant",
+        special_text: SpecialText = "escape",
+        image_cache_size: int = 2048,
+        image_cache_bytes: int = 512 * 2**20,
+        max_image_pixels: int | None = None,
+        chat_template: str | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if loss_on not in ("all_assistant", "last_assistant"):
+            raise ValueError(f"loss_on={loss_on!r}; use 'all_assistant' or 'last_assistant'")
+        if special_text not in ("escape", "drop", "error"):
+            raise ValueError(f"special_text={special_text!r}; use 'escape', 'drop' or 'error'")
+        self.processor = processor
+        self.loss_on: LossOn = loss_on
+        self.special_text: SpecialText = special_text
+        self.tokenizer = processor.tokenizer
+        self._backend = self.tokenizer.backend_tokenizer
+        self.chat_template = _resolve_template(processor, chat_template)
+        if not _GENERATION_RE.search(self.chat_template):
+            raise ValueError(
+                "the chat template has no {% generation %} block, so the assistant spans (the loss mask) cannot be "
+                "derived from it; use a template that marks assistant turns with {% generation %}"
+            )
+        self.template_kwargs = {**self.tokenizer.special_tokens_map, **(template_kwargs or {})}
+        """Variables the template sees, as ``processor.apply_chat_template`` passes them (plus ours)."""
+        image_processor = processor.image_processor
+        self.merge_size = int(image_processor.merge_size)
+        image_token = getattr(processor, "image_token", "<|image_pad|>")
+        self.image_token_id = self._token_id(image_token)
+        self.vision_ids = np.array(
+            [self._token_id(getattr(processor, name, default)) for name, default in _VISION_TOKENS], dtype=np.int64
+        )
+        self.images = CachedImageProcessor(
+            image_processor, ImageCache(image_cache_size, image_cache_bytes), max_pixels=max_image_pixels
+        )
+        """Loads, checks and processes images once per content hash."""
+        specials = sorted(
+            {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special} | {image_token},
+            key=len,
+            reverse=True,
+        )
+        self.special_strings: tuple[str, ...] = tuple(specials)
+        """Control-token strings that user text may not produce (the tokenizer's special added tokens)."""
+        self._special_re = re.compile("|".join(re.escape(s) for s in specials))
+
+    def _token_id(self, token: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == self.tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {token!r} token; is this a Qwen-VL processor?")
+        return token_id
+
+    # ----------------------------------------------------------------------------------------------- public
+
+    def render(
+        self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | str | None = None, sample_index: int = -1
+    ) -> RenderedSample:
+        """One conversation to a ``RenderedSample``; bad input raises ``RenderError`` naming ``sample_index``."""
+        try:
+            return self._render(messages, tools, sample_index)
+        except RenderError as e:
+            if sample_index >= 0 and e.sample_index != sample_index:
+                raise e.with_index(sample_index) from e
+            raise
+
+    def render_text(self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | str | None = None) -> str:
+        """The chat-template text of a conversation (after normalization and the special-text policy)."""
+        conversation, tools_, _ = self._prepare(messages, tools)
+        return self._template(conversation, tools_)[0].replace(_MARK_OPEN, "").replace(_MARK_CLOSE, "")
+
+    # ---------------------------------------------------------------------------------------------- stages
+
+    def _prepare(self, messages: Any, tools: Any) -> tuple[tuple[Message, ...], list[dict] | None, list[str]]:
+        conversation = normalize_messages(messages)
+        tools_ = _normalize_tools(tools)
+        texts = iter_text(conversation, tools_)
+        found = [m.group(0) for s in texts if "<" in s for m in self._special_re.finditer(s)]
+        if not found:
+            return conversation, tools_, []
+        if self.special_text == "error":
+            raise RenderError(
+                "special_token_in_text", f"text contains the control token {found[0]!r} ({len(found)} in all)"
+            )
+        if self.special_text == "drop":
+            fn = self._drop
+        else:
+            if any(_MARK_RE.search(s) for s in texts):
+                raise RenderError("reserved_character", "text contains U+FDD0 / U+FDD1, reserved for escaping")
+            fn = self._escape
+        conversation = tuple(map_message_text(m, fn) for m in conversation)
+        if tools_ is not None:
+            tools_ = map_strings(tools_, fn)
+        return conversation, tools_, found
+
+    def _drop(self, text: str) -> str:
+        return self._special_re.sub("", text)
+
+    def _escape(self, text: str) -> str:
+        return self._special_re.sub(lambda m: _MARK_OPEN + m.group(0) + _MARK_CLOSE, text)
+
+    def _template(self, conversation: Sequence[Message], tools: list[dict] | None) -> tuple[str, list[list[int]]]:
+        try:
+            rendered, spans = render_jinja_template(
+                conversations=[[to_template_message(m) for m in conversation]],
+                tools=tools,
+                chat_template=self.chat_template,
+                return_assistant_tokens_mask=True,
+                **self.template_kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise RenderError("template_error", f"the chat template refused the conversation: {e}") from e
+        return rendered[0], spans[0]
+
+    def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and ``[T, 2]`` character offsets into ``text`` (which may hold escape marks)."""
+        if _MARK_OPEN not in text:
+            enc = self._backend.encode(text, add_special_tokens=False)
+            return np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        pieces = re.split(f"[{_MARK_OPEN}{_MARK_CLOSE}]", text)
+        if len(pieces) % 2 == 0 or any(p not in self.special_strings for p in pieces[1::2]):
+            raise RenderError("template_error", "the chat template altered escaped special text")
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        position = 0
+        for k, piece in enumerate(pieces):
+            # Outside pieces are ordinary text; an escaped special string is split after its first character
+            # so that neither half can match an added token.
+            parts = [(piece, 0)] if k % 2 == 0 else [(piece[:1], 0), (piece[1:], 1)]
+            for part, shift in parts:
+                if not part:
+                    continue
+                enc = self._backend.encode(part, add_special_tokens=False)
+                ids += enc.ids
+                offsets += [(s + position + shift, e + position + shift) for s, e in enc.offsets]
+            position += len(piece) + 1  # the mark that followed this piece
+        return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+
+    def _render(self, messages: Any, tools: Any, sample_index: int) -> RenderedSample:
+        conversation, tools_, found = self._prepare(messages, tools)
+        text, spans = self._template(conversation, tools_)
+        ids, offsets = self._tokenize(text)
+
+        trained = spans if self.loss_on == "all_assistant" else spans[-1:]
+        starts, ends = offsets[:, 0], offsets[:, 1]
+        mask = np.zeros(len(ids), dtype=bool)
+        for start, end in trained:
+            mask |= (starts < end) & (ends > start)
+
+        blocks: list[ImageBlock] = [b for m in conversation for b in m.images]
+        pad_positions = np.flatnonzero(ids == self.image_token_id)
+        if len(pad_positions) != len(blocks):
+            raise RenderError(
+                "image_count_mismatch",
+                f"the template rendered {len(pad_positions)} image slots for {len(blocks)} images",
+            )
+        processed: list[ProcessedImage] = [self.images.process(b.source, b.key) for b in blocks]
+        lengths = [p.num_patches // self.merge_size**2 for p in processed]
+        types = np.zeros(len(ids), dtype=np.int64)
+        if blocks:
+            repeats = np.ones(len(ids), dtype=np.int64)
+            repeats[pad_positions] = lengths
+            types[pad_positions] = IMAGE_TOKEN_TYPE
+            ids, mask, types = np.repeat(ids, repeats), np.repeat(mask, repeats), np.repeat(types, repeats)
+            mask &= ~np.isin(ids, self.vision_ids)
+        if not mask.any():
+            raise RenderError("no_trainable_tokens", "the rendered conversation has no assistant tokens to train on")
+
+        metadata: dict[str, Any] = {}
+        if found:
+            metadata["escaped_special_text" if self.special_text == "escape" else "dropped_special_text"] = tuple(found)
+        return RenderedSample(
+            token_ids=torch.from_numpy(ids),
+            loss_mask=torch.from_numpy(mask),
+            mm_token_type_ids=torch.from_numpy(types),
+            multi_modal_data=self._multi_modal_data(processed, pad_positions, lengths) if blocks else None,
+            sample_index=sample_index,
+            metadata=metadata,
+        )
+
+    @staticmethod
+    def _multi_modal_data(
+        processed: list[ProcessedImage], pad_positions: np.ndarray, lengths: list[int]
+    ) -> MultiModalData:
+        # Each earlier image's single pad became `length` tokens, shifting later ones by length - 1.
+        shift = np.concatenate([[0], np.cumsum(np.asarray(lengths) - 1)[:-1]])
+        placeholders = tuple(
+            PlaceholderRange(int(p + s), int(n)) for p, s, n in zip(pad_positions, shift, lengths, strict=True)
+        )
+        return MultiModalData(
+            pixel_values=torch.cat([p.pixel_values for p in processed]),  # a copy: cached tensors stay untouched
+            image_grid_thw=torch.tensor([p.grid_thw for p in processed], dtype=torch.long),
+            placeholders=placeholders,
+            image_hashes=tuple(p.content_hash for p in processed),
+        )
+
+
+_VISION_TOKENS = (("vision_start_token", "<|vision_start|>"), ("vision_end_token", "<|vision_end|>"))
