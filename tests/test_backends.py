@@ -1,0 +1,108 @@
+"""The backend registry: auto choices per device, named-but-missing backends fail with the fix, logged once."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from vlm_sft.model import backends
+from vlm_sft.model.backends import Backends, BackendUnavailableError, resolve_backends
+from vlm_sft.model.varlen import seq_lens_to_cu_seqlens
+
+CPU_AUTO = Backends(attention="sdpa", linear_attention="torch", conv="torch", loss="chunked")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    backends._resolve.cache_clear()
+    yield
+    backends._resolve.cache_clear()
+
+
+def test_auto_on_cpu_picks_the_pure_torch_paths() -> None:
+    assert resolve_backends("cpu") == CPU_AUTO
+    assert resolve_backends(torch.device("cpu"), "sdpa", "torch", "chunked") == CPU_AUTO
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"linear_attn_impl": "fla"}, "pip install flash-linear-attention (it needs triton) on a CUDA machine"),
+        ({"linear_attn_impl": "fla"}, "model.linear_attn_impl = 'torch'"),
+        ({"attn_impl": "flash_attn"}, "pip install flash-attn on a CUDA machine"),
+        ({"attn_impl": "flash_attn"}, "model.attn_impl = 'sdpa'"),
+        ({"attn_impl": "torch_varlen"}, "model.attn_impl = 'sdpa'"),
+        ({"loss_impl": "fla_fused"}, "model.loss_impl = 'chunked'"),
+    ],
+)
+def test_requesting_a_cuda_backend_on_cpu_raises_with_the_fix(kwargs: dict, fix: str) -> None:
+    with pytest.raises(BackendUnavailableError) as err:
+        resolve_backends("cpu", **kwargs)
+    assert fix in str(err.value)
+    assert "needs CUDA" in str(err.value)
+
+
+def test_requests_on_cpu_never_import_the_cuda_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pretend every package is installed: a CPU request must still refuse, and import nothing.
+    monkeypatch.setattr(backends, "_installed", lambda module: True)
+    before = {m for m in ("fla", "triton", "flash_attn", "causal_conv1d") if m in sys.modules}
+    assert resolve_backends("cpu") == CPU_AUTO
+    with pytest.raises(BackendUnavailableError):
+        resolve_backends("cpu", linear_attn_impl="fla")
+    after = {m for m in ("fla", "triton", "flash_attn", "causal_conv1d") if m in sys.modules}
+    assert after == before
+
+
+def test_unknown_backend_name_raises_value_error() -> None:
+    with pytest.raises(ValueError, match=r"model\.attn_impl = 'flash' is not a backend; choose one of auto"):
+        resolve_backends("cpu", attn_impl="flash")
+
+
+def test_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="vlm_sft.model.backends"):
+        resolve_backends("cpu")
+        resolve_backends("cpu")
+        resolve_backends(torch.device("cpu"))
+    records = [r for r in caplog.records if r.name == "vlm_sft.model.backends"]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "attention=sdpa, linear_attention=torch, conv=torch, loss=chunked" in message
+    assert "no CUDA" in message  # the reason is part of the line
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, installed: set[str], varlen_flash: bool = False) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "_installed", lambda module: module in installed)
+    monkeypatch.setattr(backends, "_torch_varlen_ready", lambda: varlen_flash)
+
+
+def test_auto_on_cuda_prefers_the_fast_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, {"fla", "triton", "flash_attn", "causal_conv1d"}, varlen_flash=True)
+    assert resolve_backends("cuda") == Backends("flash_attn", "fla", "fla", "fla_fused")
+
+
+def test_auto_on_cuda_without_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, set(), varlen_flash=True)
+    assert resolve_backends("cuda") == Backends("torch_varlen", "torch", "torch", "chunked")
+    backends._resolve.cache_clear()
+    _fake_cuda(monkeypatch, {"causal_conv1d", "fla"})  # fla without triton is not usable
+    assert resolve_backends("cuda") == Backends("sdpa", "torch", "causal_conv1d", "chunked")
+
+
+def test_torch_linear_attention_request_keeps_the_conv_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, {"fla", "triton", "causal_conv1d"})
+    assert resolve_backends("cuda", linear_attn_impl="torch").conv == "torch"
+
+
+def test_seq_lens_to_cu_seqlens() -> None:
+    cu = seq_lens_to_cu_seqlens([3, 0, 2])
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 5]
+    assert seq_lens_to_cu_seqlens(torch.tensor([4])).tolist() == [0, 4]
+    assert backends.seq_lens_to_cu_seqlens is seq_lens_to_cu_seqlens
+    with pytest.raises(ValueError, match="non-negative"):
+        seq_lens_to_cu_seqlens([2, -1])
+    with pytest.raises(ValueError, match="1-D"):
+        seq_lens_to_cu_seqlens([[1, 2]])

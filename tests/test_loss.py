@@ -1,0 +1,83 @@
+"""Chunked cross-entropy equals full ``F.cross_entropy(reduction="sum")``: value, count and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlm_sft.model.loss import chunked_cross_entropy
+
+TOKENS, HIDDEN, VOCAB = 300, 32, 500
+
+
+def _inputs(dtype: torch.dtype, masked_target: int = -100):
+    hidden = torch.randn(TOKENS, HIDDEN, dtype=dtype, requires_grad=True)
+    weight = (0.3 * torch.randn(VOCAB, HIDDEN, dtype=dtype)).requires_grad_()
+    targets = torch.randint(0, VOCAB, (TOKENS,))
+    mask = torch.rand(TOKENS) > 0.3
+    targets[~mask] = masked_target  # any id may sit under the mask: it must be ignored, not indexed
+    return hidden, weight, targets, mask
+
+
+def _full(hidden, weight, targets, mask):
+    logits = (hidden @ weight.T).to(torch.promote_types(hidden.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.masked_fill(~mask, -100), reduction="sum")
+
+
+@pytest.mark.parametrize("chunk_size", [1, 64, 299, 1024])
+def test_chunked_loss_equals_full_cross_entropy_float64(chunk_size: int) -> None:
+    hidden, weight, targets, mask = _inputs(torch.float64)
+    loss, count = chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=chunk_size)
+    full = _full(hidden, weight, targets, mask)
+    assert loss.dtype == count.dtype == torch.float32 and loss.dim() == count.dim() == 0
+    assert count.item() == mask.sum().item()
+    assert abs(loss.item() - full.item()) <= 1e-6 * abs(full.item())  # fp32 return: relative
+    grads = torch.autograd.grad(loss, [hidden, weight])
+    want = torch.autograd.grad(full, [hidden, weight])
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_chunked_loss_equals_full_cross_entropy_float32() -> None:
+    hidden, weight, targets, mask = _inputs(torch.float32, masked_target=VOCAB + 7)
+    loss, count = chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)
+    full = _full(hidden, weight, targets, mask)
+    assert abs(loss.item() - full.item()) / count.item() <= 1e-6  # per-token mean within 1e-6
+    grads = torch.autograd.grad(loss / count, [hidden, weight])
+    want = torch.autograd.grad(full / count, [hidden, weight])
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_masked_tokens_do_not_contribute() -> None:
+    hidden, weight, targets, mask = _inputs(torch.float32)
+    targets = torch.where(mask, targets, 0)
+    loss, _ = chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)
+    everything, _ = chunked_cross_entropy(hidden, weight, targets, torch.ones_like(mask), chunk_size=64)
+    assert everything.item() > loss.item() + 1.0
+    grad_h = torch.autograd.grad(loss, hidden)[0]
+    assert grad_h[~mask].abs().max() == 0
+
+
+def test_gradient_scales_with_upstream_gradient() -> None:
+    hidden, weight, targets, mask = _inputs(torch.float64)
+    loss, _ = chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)
+    (g1,) = torch.autograd.grad(loss, hidden, retain_graph=True)
+    (g3,) = torch.autograd.grad(3.0 * loss, hidden)
+    torch.testing.assert_close(g3, 3.0 * g1)
+
+
+def test_no_grad_inputs_give_the_same_value() -> None:
+    hidden, weight, targets, mask = _inputs(torch.float32)
+    with torch.no_grad():
+        loss, _ = chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)
+    torch.testing.assert_close(loss, chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)[0])
+
+
+def test_bad_shapes_and_backend_raise() -> None:
+    hidden, weight, targets, mask = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="targets and loss mask"):
+        chunked_cross_entropy(hidden, weight, targets[:-1], mask)
+    with pytest.raises(ValueError, match="unknown loss backend"):
+        chunked_cross_entropy(hidden, weight, targets, mask, backend="nope")

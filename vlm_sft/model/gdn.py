@@ -1,0 +1,218 @@
+"""The GatedDeltaNet recurrence of Qwen3.5 over packed segments: the state resets at every segment start.
+
+Recurrence (per head, per token ``t`` of a segment, state ``S`` of shape ``[K, V]`` starting at zero)::
+
+    S = exp(g_t) * S
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T q_t                      (q_t l2-normalised and scaled by K ** -0.5, k_t l2-normalised)
+
+Backends: ``"fla"`` calls flash-linear-attention's ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA + triton);
+``"torch"`` is our varlen chunked rule: every segment is padded to whole chunks inside the kernel, so no chunk spans
+two segments; all chunks of all segments go through the intra-chunk algebra in one batched computation, and the
+inter-chunk scan carries one state per segment (segments ranked by chunk count, so the ones still running at scan
+step ``j`` are a prefix and each step is one batched matmul). ``naive_recurrent_gated_delta_rule`` is the
+token-by-token reference the tests hold both against.
+
+Legend: T = total tokens of the flattened batch, H = heads (value heads), K = key dim, V = value dim,
+N = chunks over all segments, C = chunk size, S = segments.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from vlm_sft.model.varlen import chunk_layout, cu_seqlens_to_lengths, gather_rows
+
+logger = logging.getLogger(__name__)
+
+L2NORM_EPS = 1e-6
+"""Same epsilon and formula as transformers' ``l2norm`` (aligned with fla): ``x * rsqrt(sum(x^2) + eps)``."""
+
+
+def gated_delta_rule(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    backend: str,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Gated delta rule over the flattened tokens of a packed row; returns ``o_THV`` in ``v``'s dtype.
+
+    ``q``/``k`` carry as many heads as ``v`` (transformers repeats the key heads to the value-head count first; if
+    fewer are given they are repeated here the same way). ``g`` is the log decay (<= 0), ``beta`` is already
+    sigmoid-ed; ``cu_seqlens`` int32 ``[S + 1]``. ``chunk_size`` only applies to the torch backend.
+    """
+    _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
+    q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
+    if backend == "torch":
+        return _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm, chunk_size)
+    if backend == "fla":
+        return _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm)
+    raise ValueError(f"unknown linear-attention backend {backend!r}; expected 'fla' or 'torch'")
+
+
+def naive_recurrent_gated_delta_rule(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Token-by-token reference (the math of transformers' ``torch_recurrent_gated_delta_rule``), one segment at a time.
+
+    Slow by design: it is the definition the chunked kernels are tested against, in float32.
+    """
+    _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
+    q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
+    q, k, v, g, beta = _prepare(q_THK, k_THK, v_THV, g_TH, beta_TH, use_qk_l2norm)
+    num_heads, k_dim, v_dim = v.shape[1], k.shape[-1], v.shape[-1]
+    outputs = []
+    cu = cu_seqlens_to_lengths(cu_seqlens, q.shape[0])
+    start = 0
+    for length in cu:
+        state = v.new_zeros(num_heads, k_dim, v_dim)
+        for t in range(start, start + length):
+            state = state * g[t].exp()[:, None, None]
+            predicted = (state * k[t][:, :, None]).sum(dim=1)  # [H, V]: what the state recalls for k_t
+            delta = (v[t] - predicted) * beta[t][:, None]
+            state = state + k[t][:, :, None] * delta[:, None, :]
+            outputs.append((state * q[t][:, :, None]).sum(dim=1))
+        start += length
+    if not outputs:
+        return v_THV.new_zeros(v_THV.shape)
+    return torch.stack(outputs).to(v_THV.dtype)
+
+
+def _check_shapes(q, k, v, g, beta) -> None:
+    if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(
+            f"gated_delta_rule wants q, k [T, H, K] and v [T, H, V]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if g.shape != v.shape[:2] or beta.shape != v.shape[:2]:
+        raise ValueError(f"g and beta must be [T, H] = {tuple(v.shape[:2])}; got {tuple(g.shape)}, {tuple(beta.shape)}")
+    if v.shape[1] % q.shape[1]:
+        raise ValueError(f"value heads {v.shape[1]} must be a multiple of key heads {q.shape[1]}")
+
+
+def _repeat_to_value_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each key head serves ``num_v_heads // H_k`` consecutive value heads (transformers' ``repeat_interleave``)."""
+    if q.shape[1] == num_v_heads:
+        return q, k
+    repeats = num_v_heads // q.shape[1]
+    return q.repeat_interleave(repeats, dim=1), k.repeat_interleave(repeats, dim=1)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def _prepare(q, k, v, g, beta, use_qk_l2norm: bool):
+    """fp32 copies with the l2 norm and the ``K ** -0.5`` query scale applied, as transformers does before chunking."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    return q * q.shape[-1] ** -0.5, k, v, g, beta
+
+
+@functools.lru_cache(maxsize=8)
+def _masks(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(strictly upper, upper incl. diagonal) boolean ``[C, C]`` masks."""
+    ones = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device)
+    return ones.triu(1), ones.triu(0)
+
+
+def _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm: bool, chunk_size: int):
+    total, num_heads, v_dim = v_THV.shape
+    k_dim = q_THK.shape[-1]
+    if total == 0:
+        return v_THV.new_zeros(v_THV.shape)
+    lengths = cu_seqlens_to_lengths(cu_seqlens, total)
+    layout = chunk_layout(lengths, chunk_size, torch.device(v_THV.device))
+    n, c = layout.num_chunks, chunk_size
+    q, k, v, g, beta = _prepare(q_THK, k_THK, v_THV, g_TH, beta_TH, use_qk_l2norm)
+
+    # Padded, chunked, head-major per chunk: [N, H, C, *]. Padding has k = v = q = 0, g = 0, beta = 0 and sits after
+    # the real tokens of a segment's last chunk, so causality keeps it out of every real output.
+    def chunked(x: torch.Tensor) -> torch.Tensor:
+        x = gather_rows(x, layout.slot_to_token).view(n, c, num_heads, *x.shape[2:])
+        return x.transpose(1, 2).contiguous()
+
+    q_NHCK, k_NHCK, v_NHCV = chunked(q), chunked(k), chunked(v)
+    g_NHC, beta_NHC = chunked(g), chunked(beta)
+
+    # Intra-chunk algebra for all chunks at once (the UT transform of the WY representation, as in transformers).
+    strictly_upper, upper = _masks(c, q_NHCK.device)
+    gcum_NHC = g_NHC.cumsum(-1)
+    decay_NHCC = (gcum_NHC[..., :, None] - gcum_NHC[..., None, :]).masked_fill(strictly_upper, float("-inf")).exp()
+    kbeta_NHCK = k_NHCK * beta_NHC[..., None]
+    a_NHCC = ((kbeta_NHCK @ k_NHCK.transpose(-1, -2)) * decay_NHCC).masked_fill(upper, 0.0)
+    attn_NHCC = (q_NHCK @ k_NHCK.transpose(-1, -2)) * decay_NHCC
+    rhs = torch.cat([v_NHCV * beta_NHC[..., None], kbeta_NHCK * gcum_NHC.exp()[..., None]], dim=-1)
+    solved = torch.linalg.solve_triangular(a_NHCC, rhs, upper=False, unitriangular=True)  # (I + A)^-1 rhs
+    u_NHCV, w_NHCK = solved.split([v_dim, k_dim], dim=-1)
+    # o = attn @ (u - w S) + (q * exp(gcum)) S = attn @ u + (q * exp(gcum) - attn @ w) S: the [C, C] products are
+    # batched here so the sequential scan only does [C, K] x [K, V] work.
+    intra_NHCV = attn_NHCC @ u_NHCV
+    read_NHCK = q_NHCK * gcum_NHC.exp()[..., None] - attn_NHCC @ w_NHCK
+    kdec_NHCK = k_NHCK * (gcum_NHC[..., -1:] - gcum_NHC).exp()[..., None]  # decayed to the chunk end
+    chunk_decay_NH = gcum_NHC[..., -1].exp()
+
+    # Inter-chunk scan: step j handles chunk j of every segment that has one; the state rows are those segments.
+    sizes = list(layout.step_sizes)
+    read_w = torch.cat([read_NHCK, w_NHCK], dim=-2).split(sizes)  # one matmul per step for both reads of S
+    u_steps, kdec_steps, decay_steps = u_NHCV.split(sizes), kdec_NHCK.split(sizes), chunk_decay_NH.split(sizes)
+    intra_steps = intra_NHCV.split(sizes)
+    out_steps = [intra_steps[0]]  # the first chunk of every segment starts from a zero state
+    state = kdec_steps[0].transpose(-1, -2) @ u_steps[0]  # [S_active, H, K, V]
+    for j in range(1, len(sizes)):
+        active = sizes[j]
+        state = state[:active]
+        reads = read_w[j] @ state  # [active, H, 2C, V]
+        out_steps.append(intra_steps[j] + reads[..., :c, :])
+        if j + 1 < len(sizes):
+            v_new = u_steps[j] - reads[..., c:, :]
+            state = state * decay_steps[j][..., None, None] + kdec_steps[j].transpose(-1, -2) @ v_new
+    o_NHCV = torch.cat(out_steps) if len(out_steps) > 1 else out_steps[0]
+    o_flat = o_NHCV.transpose(1, 2).reshape(n * c, num_heads, v_dim)
+    return o_flat.index_select(0, layout.token_to_slot).to(v_THV.dtype)
+
+
+def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm: bool):
+    """flash-linear-attention's varlen chunked kernel: inputs ``[1, T, H, *]`` with ``cu_seqlens`` (no fp32 support)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # CUDA-only import: only reached on that backend
+
+    out_dtype = v_THV.dtype
+    compute_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
+    if out_dtype == torch.float32:
+        _warn_fp32_once()
+    q, k, v, beta = (x.to(compute_dtype).unsqueeze(0) for x in (q_THK, k_THK, v_THV, beta_TH))
+    o, _ = chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g_TH.float().unsqueeze(0),
+        beta=beta,
+        scale=q_THK.shape[-1] ** -0.5,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
+    )
+    return o.squeeze(0).to(out_dtype)
+
+
+@functools.cache
+def _warn_fp32_once() -> None:
+    logger.warning("fla's gated delta rule has no float32 kernel: float32 inputs are computed in bfloat16")
