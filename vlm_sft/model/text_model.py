@@ -1,0 +1,51 @@
+"""The Qwen3.5 text decoder (``model.language_model.*``), written for packed training.
+
+It takes already-embedded tokens on the flattened layout (so the composite model can scatter image features in
+first), the ``[3, T]`` MRoPE positions and the segment boundaries, and returns the final-normed hidden states.
+No KV cache, no attention mask: segment boundaries are the only structure, and every layer honours them.
+
+Legend: T = tokens (all rows flattened), D = hidden size, R = rotary dims.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import Qwen3_5TextConfig
+
+from vlm_sft.model.backends import Backends
+from vlm_sft.model.layers import DecoderLayer, RMSNorm
+from vlm_sft.model.rotary import MRopeRotary
+
+
+class Qwen3_5TextDecoder(nn.Module):
+    """Embedding, decoder layers and final norm with transformers' ``Qwen3_5TextModel`` parameter names."""
+
+    def __init__(self, config: Qwen3_5TextConfig) -> None:
+        super().__init__()
+        self.config = config
+        # padding_idx as in transformers: the pad row gets no gradient (keeps training identical to theirs).
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = MRopeRotary(config)
+        self.activation_checkpointing = False
+        """Recompute each decoder layer in backward (``torch.utils.checkpoint``, non-reentrant)."""
+
+    def forward(
+        self,
+        embeds_TD: torch.Tensor,
+        position_ids_3T: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        backends: Backends,
+    ) -> torch.Tensor:
+        cos_TR, sin_TR = self.rotary_emb(position_ids_3T)
+        h_TD = embeds_TD
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h_TD = checkpoint(layer, h_TD, cos_TR, sin_TR, cu_seqlens, max_seqlen, backends, use_reentrant=False)
+            else:
+                h_TD = layer(h_TD, cos_TR, sin_TR, cu_seqlens, max_seqlen, backends)
+        return self.norm(h_TD)

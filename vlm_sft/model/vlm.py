@@ -1,0 +1,346 @@
+"""``Qwen3_5VLM``: transformers' Qwen3.5 vision tower + our packed-training text decoder, HF-compatible.
+
+The module tree and parameter names equal transformers' ``Qwen3_5ForConditionalGeneration`` (``model.visual.*``
+is their ``Qwen3_5VisionModel`` unchanged, ``model.language_model.*`` is ``Qwen3_5TextDecoder``, plus
+``lm_head.weight``), so Hugging Face checkpoints load and save without renaming.
+
+Forward layout: ``input_ids`` ``[B, L]`` is flattened row-major to T = B * L tokens; ``seq_lens`` splits them
+into segments (samples and padding) that never see each other. The vision tower runs exactly once per forward,
+on a dummy image when the batch has none, so every FSDP rank issues the same collectives and a trainable tower
+always gets a (zero) gradient.
+
+Legend: B = rows, L = row length, T = B * L tokens, D = hidden size, V = vocab, P = patch rows, N = images.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Qwen3_5Config
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
+from vlm_sft.model.backends import Backends, resolve_backends, seq_lens_to_cu_seqlens
+from vlm_sft.model.checkpoint_io import load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
+from vlm_sft.model.layers import init_text_weights
+from vlm_sft.model.loss import chunked_cross_entropy
+from vlm_sft.model.rotary import mrope_position_ids
+from vlm_sft.model.text_model import Qwen3_5TextDecoder
+
+logger = logging.getLogger(__name__)
+
+_IGNORED_CHECKPOINT_PREFIXES = ("mtp.",)
+"""Checkpoint keys we drop on load: the multi-token-prediction head of the hub checkpoints (unused here too)."""
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """What ``Qwen3_5VLM.forward`` returns when targets are given; unpacks as ``loss_sum, num_tokens``."""
+
+    loss_sum: torch.Tensor
+    """Scalar float32: sum of the token cross-entropies over ``loss_mask`` (normalize by the global count)."""
+    num_tokens: torch.Tensor
+    """Scalar: number of tokens in ``loss_mask`` (the loss op's count)."""
+
+    def __iter__(self):
+        return iter((self.loss_sum, self.num_tokens))
+
+
+class _Qwen3_5Core(nn.Module):
+    """Holds ``visual`` and ``language_model`` under ``model.`` so parameter names match transformers."""
+
+    def __init__(self, config: Qwen3_5Config) -> None:
+        super().__init__()
+        self.visual = Qwen3_5VisionModel._from_config(config.vision_config)
+        self.language_model = Qwen3_5TextDecoder(config.text_config)
+
+
+class Qwen3_5VLM(nn.Module):
+    """Qwen3.5 vision-language model for packed SFT; see the module docstring for the layout.
+
+    Build with ``build_model`` (random init) or ``Qwen3_5VLM.from_pretrained`` (HF checkpoint); both resolve the
+    op backends once for the target device and store them on ``backends``.
+    """
+
+    def __init__(
+        self,
+        config: Qwen3_5Config,
+        backends: Backends,
+        *,
+        freeze_vision: bool = True,
+        activation_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.backends = backends
+        """The op implementations every forward uses (chosen once, by ``resolve_backends``)."""
+        self.model = _Qwen3_5Core(config)
+        text = config.text_config
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tie_weights()
+        self.set_activation_checkpointing(activation_checkpointing)
+        self.set_vision_trainable(not freeze_vision)
+
+    # ----------------------------------------------------------------------------------------- configuration
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """True when ``lm_head`` shares the input embedding (``config.tie_word_embeddings``, as transformers)."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def tie_weights(self) -> None:
+        if self.tied_embeddings:
+            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Recompute each text decoder layer in backward (non-reentrant ``torch.utils.checkpoint``)."""
+        self.model.language_model.activation_checkpointing = bool(enabled)
+
+    def set_vision_trainable(self, trainable: bool) -> None:
+        """Freeze (default) or unfreeze the whole vision tower."""
+        for p in self.model.visual.parameters():
+            p.requires_grad_(trainable)
+
+    @property
+    def vision_trainable(self) -> bool:
+        return any(p.requires_grad for p in self.model.visual.parameters())
+
+    # ----------------------------------------------------------------------------------------------- forward
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        seq_lens: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
+        target_ids: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor | LossOutput:
+        """Logits ``[B, L, V]``, or ``LossOutput(loss_sum, num_tokens)`` when ``target_ids`` is given.
+
+        ``seq_lens``: 1-D segment lengths covering the B * L tokens row-major (each row's segments sum to L;
+        padding is its own segment); None means one segment per row. ``position_ids``: ``[3, B, L]`` MRoPE
+        positions, numbered per segment; None computes them per segment like transformers' ``get_rope_index``.
+        ``pixel_values`` ``[P, C*T*p*p]`` and ``image_grid_thw`` ``[N, 3]``: the images in the order of their slots
+        in the flattened tokens; slots are where ``mm_token_type_ids == 1``. ``loss_mask`` (default:
+        ``target_ids >= 0``) selects the tokens of the loss.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+        B, L = input_ids.shape
+        T = B * L
+        seq_lens = self._check_seq_lens(seq_lens, B, L)
+        device = input_ids.device
+        cu_seqlens = seq_lens_to_cu_seqlens(seq_lens.to(device))
+        max_seqlen = int(seq_lens.max())
+
+        mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(T)
+        if mm_token_type_ids is not None and mm_token_type_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"mm_token_type_ids shape {tuple(mm_token_type_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
+        language_model = self.model.language_model
+        embeds_TD = language_model.embed_tokens(input_ids.reshape(T))
+        embeds_TD = self._merge_vision(embeds_TD, pixel_values, image_grid_thw, mm_T)
+
+        if position_ids is None:
+            types_T = mm_T if mm_T is not None else torch.zeros(T, dtype=torch.long, device=device)
+            merge = self.config.vision_config.spatial_merge_size
+            position_ids_3T = mrope_position_ids(types_T.cpu(), image_grid_thw, seq_lens, merge).to(device)
+        else:
+            if tuple(position_ids.shape) != (3, B, L):
+                raise ValueError(f"position_ids must be [3, B, L] = [3, {B}, {L}], got {tuple(position_ids.shape)}")
+            position_ids_3T = position_ids.reshape(3, T)
+
+        hidden_TD = language_model(embeds_TD, position_ids_3T, cu_seqlens, max_seqlen, self.backends)
+        if target_ids is None:
+            return self.lm_head(hidden_TD).view(B, L, -1)
+        if target_ids.shape != input_ids.shape:
+            raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if loss_mask is None:
+            loss_mask = target_ids >= 0
+        elif loss_mask.shape != input_ids.shape:
+            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        loss_sum, count = chunked_cross_entropy(
+            hidden_TD, self.lm_head.weight, target_ids.reshape(T), loss_mask.reshape(T), backend=self.backends.loss
+        )
+        return LossOutput(loss_sum=loss_sum, num_tokens=count)
+
+    @staticmethod
+    def _check_seq_lens(seq_lens: torch.Tensor | None, B: int, L: int) -> torch.Tensor:
+        """CPU int64 segment lengths, checked to cover every row exactly (a segment never spans two rows)."""
+        if seq_lens is None:
+            return torch.full((B,), L, dtype=torch.long)
+        seq_lens = seq_lens.detach().to("cpu", torch.long)
+        if seq_lens.dim() != 1 or seq_lens.numel() == 0:
+            raise ValueError(f"seq_lens must be a non-empty 1-D tensor of segment lengths, got {tuple(seq_lens.shape)}")
+        if bool((seq_lens <= 0).any()):
+            raise ValueError(f"seq_lens must be positive, got {seq_lens.tolist()}")
+        ends = set(torch.cumsum(seq_lens, 0).tolist())
+        if int(seq_lens.sum()) != B * L or not all(r * L in ends for r in range(1, B + 1)):
+            raise ValueError(
+                f"seq_lens {seq_lens.tolist()} must cover the {B} rows of length {L} row by row "
+                f"(sum {int(seq_lens.sum())} vs {B * L}; every row boundary must be a segment boundary)"
+            )
+        return seq_lens
+
+    def _merge_vision(
+        self,
+        embeds_TD: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        mm_T: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Runs the vision tower once (a dummy image when there is none) and scatters features into image slots."""
+        visual = self.model.visual
+        vcfg = self.config.vision_config
+        n_slots = 0
+        if mm_T is not None:
+            bad = (mm_T != TEXT_TOKEN_TYPE) & (mm_T != IMAGE_TOKEN_TYPE)
+            if bool(bad.any()):
+                raise ValueError(
+                    f"mm_token_type_ids holds values {sorted(set(mm_T[bad].tolist()))}: only 0 (text) and 1 (image) "
+                    "are supported (video input is rejected)"
+                )
+            n_slots = int((mm_T == IMAGE_TOKEN_TYPE).sum())
+        if (pixel_values is None) != (image_grid_thw is None):
+            raise ValueError("pixel_values and image_grid_thw must be given together")
+        dummy = pixel_values is None
+        if dummy:
+            m = vcfg.spatial_merge_size
+            image_grid_thw = torch.tensor([[1, m, m]], dtype=torch.long, device=embeds_TD.device)
+            row = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+            pixel_values = torch.zeros(m * m, row, device=embeds_TD.device)
+        elif pixel_values.shape[0] != int(image_grid_thw.prod(-1).sum()):
+            raise ValueError(
+                f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_thw {image_grid_thw.tolist()} "
+                f"needs {int(image_grid_thw.prod(-1).sum())}"
+            )
+        pixel_values = pixel_values.to(visual.dtype)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.vision_trainable):
+            feats_ND = visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+        feats_ND = feats_ND.to(embeds_TD.dtype)
+        if dummy:
+            if n_slots:
+                raise ValueError(
+                    f"mm_token_type_ids marks {n_slots} image slots but no pixel_values were given (0 image features)"
+                )
+            # Keeps the tower in the autograd graph (zero gradient) without changing any value.
+            return embeds_TD + feats_ND.sum() * 0.0
+        if mm_T is None:
+            raise ValueError("pixel_values were given without mm_token_type_ids: it says which tokens are image slots")
+        if n_slots != feats_ND.shape[0]:
+            raise ValueError(
+                f"image slot count mismatch: mm_token_type_ids marks {n_slots} image slots but the vision tower "
+                f"produced {feats_ND.shape[0]} features for image_grid_thw {image_grid_thw.tolist()}"
+            )
+        slots = (mm_T == IMAGE_TOKEN_TYPE).nonzero().squeeze(1)
+        return embeds_TD.index_put((slots,), feats_ND)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        dir_or_hub_id: str | os.PathLike,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        attn_impl: str = "auto",
+        linear_attn_impl: str = "auto",
+        loss_impl: str = "auto",
+        freeze_vision: bool = True,
+        activation_checkpointing: bool = False,
+        revision: str | None = None,
+    ) -> Qwen3_5VLM:
+        """Loads a Hugging Face Qwen3.5 checkpoint (local dir or hub id; sharded or single safetensors).
+
+        ``dtype`` None means float32 (master weights for training; bf16 compute comes from autocast). The model
+        is built on the meta device and the checkpoint tensors are assigned in, so nothing is initialized twice.
+        Keys of the multi-token-prediction head (``mtp.*``) are dropped; any other missing or unexpected key
+        raises.
+        """
+        path = resolve_checkpoint_dir(dir_or_hub_id, revision=revision)
+        config = Qwen3_5Config.from_pretrained(path)
+        dtype = torch.float32 if dtype is None else dtype
+        device = torch.device(device if device is not None else "cpu")
+        backends = resolve_backends(device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl)
+        with torch.device("meta"):
+            model = cls(
+                config, backends, freeze_vision=freeze_vision, activation_checkpointing=activation_checkpointing
+            )
+        state = load_hf_state_dict(path, device=device, dtype=dtype)
+        dropped = [k for k in state if k.startswith(_IGNORED_CHECKPOINT_PREFIXES)]
+        for k in dropped:
+            del state[k]
+        if dropped:
+            logger.info("%s: ignored %d checkpoint tensors of unused heads (%s)", path, len(dropped), "mtp.*")
+        if model.tied_embeddings:
+            state.pop("lm_head.weight", None)
+        expected = set(model.state_dict())
+        if model.tied_embeddings:
+            expected.discard("lm_head.weight")
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint {path} does not match Qwen3_5VLM: missing {missing[:8]}{'...' if len(missing) > 8 else ''}"
+                f", unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
+            )
+        model.load_state_dict(state, strict=False, assign=True)
+        model.tie_weights()
+        model._materialize_buffers(device, dtype)
+        model.set_vision_trainable(not freeze_vision)
+        logger.info("loaded %s (%s on %s; backends %s)", path, dtype, device, backends)
+        return model
+
+    def _materialize_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Recomputes the vision tower's non-persistent rotary buffers after a meta-device build."""
+        for module in self.model.visual.modules():
+            if hasattr(module, "compute_axial_rope_parameters") and hasattr(module, "inv_freq"):
+                inv_freq, _ = module.compute_axial_rope_parameters(module.config)
+                module.inv_freq = inv_freq.to(device)
+                module.original_inv_freq = inv_freq.clone().to(device)
+        leftovers = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
+        assert not leftovers, f"tensors left on the meta device after loading: {leftovers}"
+
+    def save_pretrained(self, save_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> Path:
+        """Writes config.json + (sharded) safetensors that transformers' ``Qwen3_5ForConditionalGeneration`` loads."""
+        state = {k: v.detach() for k, v in self.state_dict().items()}
+        if self.tied_embeddings:
+            state.pop("lm_head.weight", None)
+        return save_hf_checkpoint(state, self.config, save_dir, max_shard_size=max_shard_size)
+
+
+def build_model(
+    config: Qwen3_5Config,
+    *,
+    attn_impl: str = "auto",
+    linear_attn_impl: str = "auto",
+    loss_impl: str = "auto",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    freeze_vision: bool = True,
+    activation_checkpointing: bool = False,
+) -> Qwen3_5VLM:
+    """A randomly initialized ``Qwen3_5VLM`` (init as transformers' ``_init_weights``) on ``device``.
+
+    Backends are resolved for ``device`` (None: CPU); a backend named explicitly but unavailable raises here.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    backends = resolve_backends(device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl)
+    model = Qwen3_5VLM(config, backends, freeze_vision=freeze_vision, activation_checkpointing=activation_checkpointing)
+    std = config.text_config.initializer_range
+    model.model.language_model.apply(lambda m: init_text_weights(m, std))
+    with torch.no_grad():
+        if not model.tied_embeddings:
+            model.lm_head.weight.normal_(0.0, std)
+    logger.info("built Qwen3_5VLM (random init, %s on %s; backends %s)", dtype, device, backends)
+    return model.to(device=device, dtype=dtype)
