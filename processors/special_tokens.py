@@ -1,10 +1,11 @@
 """The Qwen3.5 special tokens, in the order (and so with the relative ids) the real tokenizer has them.
 
 The real Qwen3.5 vocabulary puts these after its regular BPE tokens, starting with ``<|endoftext|>`` at 248044
-(``<|vision_start|>`` = 248053, ``<|image_pad|>`` = 248056, ``<|video_pad|>`` = 248057). The tiny offline
-tokenizer keeps the same order right after its ``TINY_REGULAR_VOCAB_SIZE`` regular tokens, so every id relation the
-real model has (and every test that relies on one) holds for the tiny one too. This module is the single source of
-those ids: the processor build script and the tiny model preset both read it.
+(``<|vision_start|>`` = 248053, ``<|image_pad|>`` = 248056, ``<|video_pad|>`` = 248057) and ending with
+``<|audio_pad|>`` at 248076. The tiny offline tokenizer keeps the same order right after its
+``TINY_REGULAR_VOCAB_SIZE`` regular tokens, so every id relation the real model has (and every test that relies on
+one) holds for the tiny one too. This module is the single source of those ids: the processor build script and the
+tiny model preset both read it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,16 @@ QWEN3_5_SPECIAL_TOKENS: tuple[str, ...] = (
     "</tool_response>",
     "<think>",
     "</think>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
 )
-"""All added tokens, in id order."""
+"""All added tokens, in id order (the real tokenizer has these 33, ids 248044-248076; the last seven, for audio and
+speech, are unused by a vision-language model but kept so the vocabulary and ids match the real one)."""
 
 NOT_SPECIAL: frozenset[str] = frozenset(
     {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}

@@ -104,6 +104,7 @@ def render(tokenizer, messages, **kwargs) -> str:
 def test_tokenizer_has_qwen3_5_added_tokens_at_the_shared_ids(tokenizer):
     assert type(tokenizer).__name__ == "Qwen3_5Tokenizer"
     assert len(tokenizer) == TINY_VOCAB_SIZE
+    assert (len(QWEN3_5_SPECIAL_TOKENS), len(NOT_SPECIAL)) == (33, 12)  # the real added tokens: ids 248044-248076
     decoder = tokenizer.added_tokens_decoder
     for token in QWEN3_5_SPECIAL_TOKENS:
         token_id = tiny_token_id(token)
