@@ -116,8 +116,8 @@ def test_loss_equals_transformers_cross_entropy(cfg, pair):
     b = image_batch(cfg, torch.Generator().manual_seed(2))
     targets = torch.cat([b["input_ids"][:, 1:], torch.full((1, 1), -100)], dim=1)
     targets[b["mm_token_type_ids"].roll(-1, 1) == 1] = -100
-    loss_sum, count = ours(b["input_ids"], target_ids=targets, **{k: v for k, v in b.items() if k != "input_ids"})
     with torch.no_grad():
+        loss_sum, count = ours(b["input_ids"], target_ids=targets, **{k: v for k, v in b.items() if k != "input_ids"})
         logits = ref(**b).logits[0]
     expected = torch.nn.functional.cross_entropy(logits, targets[0], ignore_index=-100, reduction="sum")
     assert int(count) == int((targets >= 0).sum())
