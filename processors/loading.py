@@ -123,10 +123,10 @@ def save_processor(directory: str | os.PathLike, processor: Qwen3VLProcessor, to
 
 
 def probe_image() -> Image.Image:
-    """A deterministic 80x48 RGB image (gradient with a filled disc) for round-trip checks; 6 image tokens."""
-    ys, xs = np.mgrid[0:48, 0:80]
-    disc = (xs - 30) ** 2 + (ys - 24) ** 2 < 15**2
-    pixels = np.stack([xs * 3, ys * 5, np.where(disc, 255, 40)], axis=-1).astype(np.uint8)
+    """A deterministic 96x64 RGB image (gradient with a filled disc) for round-trip checks: 6 image tokens."""
+    ys, xs = np.mgrid[0:64, 0:96]
+    disc = (xs - 30) ** 2 + (ys - 32) ** 2 < 20**2
+    pixels = np.stack([xs * 2, ys * 4, np.where(disc, 255, 40)], axis=-1).astype(np.uint8)
     return Image.fromarray(pixels)
 
 
