@@ -296,12 +296,12 @@ class Qwen3_5VLM(nn.Module):
             )
         model.load_state_dict(state, strict=False, assign=True)
         model.tie_weights()
-        model._materialize_buffers(device, dtype)
+        model._materialize_buffers(device)
         model.set_vision_trainable(not freeze_vision)
         logger.info("loaded %s (%s on %s; backends %s)", path, dtype, device, backends)
         return model
 
-    def _materialize_buffers(self, device: torch.device, dtype: torch.dtype) -> None:
+    def _materialize_buffers(self, device: torch.device) -> None:
         """Recomputes the vision tower's non-persistent rotary buffers after a meta-device build."""
         for module in self.model.visual.modules():
             if hasattr(module, "compute_axial_rope_parameters") and hasattr(module, "inv_freq"):
