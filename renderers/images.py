@@ -144,8 +144,8 @@ def decode_image(data: bytes, origin: str = "<bytes>", *, max_pixels: int | None
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             img = Image.open(io.BytesIO(data))
-            _check_size(img, origin, max_pixels)
-            img.load()
+            if img.width * img.height > 0 and (max_pixels is None or img.width * img.height <= max_pixels):
+                img.load()
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise RenderError("decompression_bomb", f"{origin}: {e}") from e
         except UnidentifiedImageError as e:
@@ -156,6 +156,7 @@ def decode_image(data: bytes, origin: str = "<bytes>", *, max_pixels: int | None
             # PIL reports truncated / damaged data as OSError, broken headers as SyntaxError or ValueError.
             reason = "truncated_image" if "truncated" in str(e).lower() else "corrupt_image"
             raise RenderError(reason, f"{origin}: {type(e).__name__}: {e}") from e
+    _check_size(img, origin, max_pixels)  # before the pixels are decoded (load() above skips over-limit images)
     return img
 
 

@@ -61,6 +61,7 @@ _MARK_OPEN = "\ufdd0"
 _MARK_CLOSE = "\ufdd1"
 _MARK_RE = re.compile(f"[{_MARK_OPEN}{_MARK_CLOSE}]")
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_JINJA_COMMENT_RE = re.compile(r"\{#.*?#\}", re.DOTALL)
 
 
 def _resolve_template(processor: Any, chat_template: str | None) -> str:
@@ -110,7 +111,7 @@ class Qwen3_5Renderer:
         self.tokenizer = processor.tokenizer
         self._backend = self.tokenizer.backend_tokenizer
         self.chat_template = _resolve_template(processor, chat_template)
-        if not _GENERATION_RE.search(self.chat_template):
+        if not _GENERATION_RE.search(_JINJA_COMMENT_RE.sub("", self.chat_template)):
             raise ValueError(
                 "the chat template has no {% generation %} block, so the assistant spans (the loss mask) cannot be "
                 "derived from it; use a template that marks assistant turns with {% generation %}"
@@ -254,7 +255,7 @@ class Qwen3_5Renderer:
             repeats[pad_positions] = lengths
             types[pad_positions] = IMAGE_TOKEN_TYPE
             ids, mask, types = np.repeat(ids, repeats), np.repeat(mask, repeats), np.repeat(types, repeats)
-            mask &= ~np.isin(ids, self.vision_ids)
+            mask &= (types != IMAGE_TOKEN_TYPE) & ~np.isin(ids, self.vision_ids)
         if not mask.any():
             raise RenderError("no_trainable_tokens", "the rendered conversation has no assistant tokens to train on")
 

@@ -126,10 +126,20 @@ def _load_local(path: Path, cache_dir: str | None) -> datasets.Dataset:
         return load_json_normalized(files)
 
 
+def rows_to_dataset(rows: list[Mapping]) -> datasets.Dataset:
+    """``normalize_row_for_arrow`` rows as a ``Dataset`` whose columns are the union of all rows' keys.
+
+    (``Dataset.from_list`` and ``pa.Table.from_pylist`` take the columns from the first row only and silently
+    drop a ``tools`` column that row lacks.)
+    """
+    normalized = [normalize_row_for_arrow(r) for r in rows]
+    columns = list(dict.fromkeys(k for r in normalized for k in r))
+    return datasets.Dataset.from_dict({k: [r.get(k) for r in normalized] for k in columns})
+
+
 def load_json_normalized(files: list[Path]) -> datasets.Dataset:
-    """Read json / jsonl rows in Python and build the Arrow table from ``normalize_row_for_arrow`` rows."""
-    rows = [normalize_row_for_arrow(r) for f in files for r in _read_json_rows(Path(f))]
-    return datasets.Dataset.from_list(rows)
+    """Read json / jsonl rows in Python and build the Arrow table from normalized rows (``rows_to_dataset``)."""
+    return rows_to_dataset([r for f in files for r in _read_json_rows(Path(f))])
 
 
 def _lazy_images(ds: datasets.Dataset) -> datasets.Dataset:
