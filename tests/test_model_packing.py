@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from processors.special_tokens import PAD_TOKEN, tiny_token_id
+from vlm_sft.data.mrope import mrope_position_ids
 from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config
 from vlm_sft.model.packing_check import check_packing
-from vlm_sft.model.rotary import mrope_position_ids
 
 TOL = 1e-5
 PATCH_ROW = 3 * 2 * 16 * 16
@@ -39,7 +39,7 @@ def make_sample(cfg, n_before: int, grids: list[tuple[int, int, int]], n_after: 
     n_patches = sum(t * h * w for t, h, w in grids)
     return {
         "input_ids": input_ids,
-        "position_ids": mrope_position_ids(mm, grid, torch.tensor([len(ids)]), merge),
+        "position_ids": mrope_position_ids(mm, grid, torch.tensor([len(ids)]), spatial_merge_size=merge),
         "mm_token_type_ids": mm,
         "target_ids": target_ids,
         "loss_mask": loss_mask,

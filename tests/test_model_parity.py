@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
 
+from vlm_sft.data.mrope import mrope_position_ids
 from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config
 from vlm_sft.model.layers import GatedDeltaNet, RMSNorm, RMSNormGated
-from vlm_sft.model.rotary import mrope_position_ids
 
 PATCH_ROW = 3 * 2 * 16 * 16
 
@@ -81,11 +81,14 @@ def test_positions_equal_transformers_get_rope_index(cfg, pair):
     b = image_batch(cfg, torch.Generator().manual_seed(0))
     theirs, _ = ref.model.get_rope_index(b["input_ids"], b["mm_token_type_ids"], image_grid_thw=b["image_grid_thw"])
     n = b["input_ids"].shape[1]
-    ours = mrope_position_ids(b["mm_token_type_ids"][0], b["image_grid_thw"], torch.tensor([n]), 2)
+    ours = mrope_position_ids(b["mm_token_type_ids"][0], b["image_grid_thw"], torch.tensor([n]), spatial_merge_size=2)
     assert torch.equal(ours, theirs[:, 0])
     # Two segments: the second is numbered from 0 and uses the images after the first's.
     both = mrope_position_ids(
-        b["mm_token_type_ids"][0].repeat(2), b["image_grid_thw"].repeat(2, 1), torch.tensor([n, n]), 2
+        b["mm_token_type_ids"][0].repeat(2),
+        b["image_grid_thw"].repeat(2, 1),
+        torch.tensor([n, n]),
+        spatial_merge_size=2,
     )
     assert torch.equal(both, torch.cat([ours, ours], dim=1))
 

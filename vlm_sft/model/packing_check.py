@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from vlm_sft.data.mrope import mrope_position_ids
 from vlm_sft.model.layers import MLP, GatedAttention, GatedDeltaNet, ShortConv
-from vlm_sft.model.rotary import mrope_position_ids
 from vlm_sft.model.vlm import Qwen3_5VLM
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,9 @@ def _sample_inputs(model: Qwen3_5VLM, s: SampleDict, i: int) -> dict[str, torch.
     pos = s.get("position_ids")
     if pos is None:
         merge = model.config.vision_config.spatial_merge_size
-        pos = mrope_position_ids(mm.cpu(), s.get("image_grid_thw"), torch.tensor([T]), merge).to(ids.device)
+        pos = mrope_position_ids(mm.cpu(), s.get("image_grid_thw"), torch.tensor([T]), spatial_merge_size=merge).to(
+            ids.device
+        )
     if (s.get("pixel_values") is None) != (s.get("image_grid_thw") is None):
         raise ValueError(f"sample {i}: pixel_values and image_grid_thw must be given together")
     return {

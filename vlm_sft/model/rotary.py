@@ -7,9 +7,9 @@ belongs to height when ``i % 3 == 1`` and ``i < 3 * mrope_section[1]``, to width
 axes, so on text this is plain RoPE. The math follows transformers' ``Qwen3_5TextRotaryEmbedding`` and
 ``apply_rotary_pos_emb`` exactly, but runs in float32 on the flattened token layout.
 
-``mrope_position_ids`` builds the ``[3, T]`` positions of a packed row the way transformers' ``get_rope_index``
-does for each sample alone; it is only the fallback for a forward without ``position_ids`` (the data pipeline
-owns the positions of real batches).
+The positions themselves come from the data pipeline (``vlm_sft.data.mrope``), which numbers every segment the
+way transformers' ``get_rope_index`` numbers that sample alone; the model calls the same function when a forward
+gets no ``position_ids``.
 
 Legend: T = tokens (all rows flattened), H = heads, D = head dim, R = rotary dims, N = images.
 """
@@ -20,8 +20,6 @@ import torch
 from torch import nn
 from transformers import Qwen3_5TextConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 
 
 def _default_inv_freq(config: Qwen3_5TextConfig) -> tuple[torch.Tensor, float]:
@@ -86,71 +84,3 @@ def apply_partial_rotary(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torc
     cos, sin = cos_TR[:, None, :], sin_TR[:, None, :]
     x_rot = x_rot * cos + _rotate_half(x_rot) * sin
     return torch.cat((x_rot.to(x_THD.dtype), x_pass), dim=-1)
-
-
-def _sample_positions(
-    types_t: list[int], grids: list[tuple[int, int, int]], grid_pos: int, merge: int, where: str
-) -> tuple[torch.Tensor, int]:
-    """Positions ``[3, t]`` of one segment alone, and the index of the next unused image grid."""
-    pieces: list[torch.Tensor] = []
-    current = 0
-    i = 0
-    while i < len(types_t):
-        j = i
-        while j < len(types_t) and types_t[j] == types_t[i]:
-            j += 1
-        run = j - i
-        if types_t[i] == TEXT_TOKEN_TYPE:
-            pieces.append((torch.arange(run) + current).expand(3, -1))
-            current += run
-        elif types_t[i] == IMAGE_TOKEN_TYPE:
-            # A run of image slots may hold several adjacent images: consume grids until the run is covered.
-            covered = 0
-            while covered < run:
-                if grid_pos >= len(grids):
-                    raise ValueError(f"{where}: more image slots than image_grid_thw rows ({len(grids)} images)")
-                t, h, w = grids[grid_pos]
-                lt, lh, lw = t, h // merge, w // merge
-                tt, hh, ww = torch.meshgrid(torch.arange(lt), torch.arange(lh), torch.arange(lw), indexing="ij")
-                pieces.append(torch.stack([tt, hh, ww]).reshape(3, -1) + current)
-                current += max(h, w) // merge
-                covered += lt * lh * lw
-                grid_pos += 1
-            if covered != run:
-                raise ValueError(
-                    f"{where}: a run of {run} image slots does not match the image grids it consumes ({covered} slots)"
-                )
-        else:
-            raise ValueError(f"{where}: mm_token_type_ids value {types_t[i]} (video) is not supported")
-        i = j
-    if not pieces:
-        return torch.zeros(3, 0, dtype=torch.long), grid_pos
-    return torch.cat(pieces, dim=1), grid_pos
-
-
-def mrope_position_ids(
-    mm_token_type_ids_T: torch.Tensor,
-    image_grid_thw_N3: torch.Tensor | None,
-    seq_lens: torch.Tensor,
-    spatial_merge_size: int,
-) -> torch.Tensor:
-    """``[3, T]`` MRoPE positions of a flattened batch, each segment numbered from 0 as if it ran alone.
-
-    Same numbering as transformers' ``get_rope_index`` on one sample: text runs count up on all three axes; an
-    image of merged grid (t, h, w) starting at position p gets (p + t_i, p + h_i, p + w_i) and advances p by
-    ``max(h, w)``. Images are matched to ``image_grid_thw`` rows in the order their slots appear.
-    """
-    types = mm_token_type_ids_T.tolist()
-    grids = [] if image_grid_thw_N3 is None else [tuple(int(v) for v in g) for g in image_grid_thw_N3.tolist()]
-    out: list[torch.Tensor] = []
-    start = 0
-    grid_pos = 0
-    for seg, length in enumerate(seq_lens.tolist()):
-        pos, grid_pos = _sample_positions(
-            types[start : start + length], grids, grid_pos, spatial_merge_size, f"segment {seg}"
-        )
-        out.append(pos)
-        start += length
-    if grid_pos != len(grids):
-        raise ValueError(f"image_grid_thw has {len(grids)} rows but the image slots consume only {grid_pos}")
-    return torch.cat(out, dim=1).to(mm_token_type_ids_T.device)

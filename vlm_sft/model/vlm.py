@@ -25,11 +25,11 @@ from transformers import Qwen3_5Config
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
+from vlm_sft.data.mrope import mrope_position_ids
 from vlm_sft.model.backends import Backends, resolve_backends, seq_lens_to_cu_seqlens
 from vlm_sft.model.checkpoint_io import load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
 from vlm_sft.model.layers import init_text_weights
 from vlm_sft.model.loss import chunked_cross_entropy
-from vlm_sft.model.rotary import mrope_position_ids
 from vlm_sft.model.text_model import Qwen3_5TextDecoder
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,9 @@ class Qwen3_5VLM(nn.Module):
         if position_ids is None:
             types_T = mm_T if mm_T is not None else torch.zeros(T, dtype=torch.long, device=device)
             merge = self.config.vision_config.spatial_merge_size
-            position_ids_3T = mrope_position_ids(types_T.cpu(), image_grid_thw, seq_lens, merge).to(device)
+            position_ids_3T = mrope_position_ids(types_T.cpu(), image_grid_thw, seq_lens, spatial_merge_size=merge).to(
+                device
+            )
         else:
             if tuple(position_ids.shape) != (3, B, L):
                 raise ValueError(f"position_ids must be [3, B, L] = [3, {B}, {L}], got {tuple(position_ids.shape)}")
