@@ -281,7 +281,9 @@ class Qwen3_5Renderer:
             PlaceholderRange(int(p + s), int(n)) for p, s, n in zip(pad_positions, shift, lengths, strict=True)
         )
         return MultiModalData(
-            pixel_values=torch.cat([p.pixel_values for p in processed]),  # a copy: cached tensors stay untouched
+            # A copy, so cached tensors stay untouched. numpy, not torch.cat: with several intra-op threads on a
+            # busy machine torch.cat of two small tensors measured ~3 ms here, np.concatenate ~30 us.
+            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values.numpy() for p in processed])),
             image_grid_thw=torch.tensor([p.grid_thw for p in processed], dtype=torch.long),
             placeholders=placeholders,
             image_hashes=tuple(p.content_hash for p in processed),
