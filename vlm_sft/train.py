@@ -1,6 +1,7 @@
 """Entry point: ``accelerate launch vlm_sft/train.py [--config configs/x.toml] [--section.field value ...]``.
 
-With no arguments it runs ``configs/debug.toml`` (tiny offline model, shapes dataset, CPU).
+With no arguments it runs ``configs/debug.toml`` (tiny offline model, shapes dataset, CPU). Also runs under
+``torchrun`` and as plain ``python vlm_sft/train.py`` (one process).
 """
 
 from __future__ import annotations
@@ -10,11 +11,8 @@ import sys
 
 from vlm_sft.config import ConfigError, load_config, split_config_arg
 
-logger = logging.getLogger("vlm_sft.train")
-
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     argv = sys.argv[1:] if argv is None else argv
     try:
         config_path, overrides = split_config_arg(argv)
@@ -22,9 +20,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    logger.info("config loaded: model %s, data %s, %s packing", cfg.model.name_or_path, cfg.data.source, cfg.data.packing)
-    print("vlm-sft: the training loop is not built yet (issue 6); the config above is valid.", file=sys.stderr)
-    return 3
+    from vlm_sft.trainer.loop import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = train(cfg)
+    if result.last_eval:
+        accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}
+        print(f"final eval: loss {result.last_eval['eval_loss']:.4f}, accuracy {accs}")
+    print(
+        f"finished {result.steps} steps in {result.wall_time_s:.1f} s ({result.real_tokens_per_s:.0f} real tokens/s); "
+        f"checkpoint: {result.final_dir}"
+    )
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""From a ``RunConfig`` to the objects a run needs: processor, renderer, data sources, pipeline, model.
+
+The trainer, the data report (``python -m vlm_sft.data.report``) and the packing self-check
+(``python -m vlm_sft.check_packing``) all build through here, so they see exactly the same data and model.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen3_5Config
+
+from processors import load_processor, load_tiny_processor
+from renderers import RenderedSample, get_renderer
+from vlm_sft.config import SHAPES_DATASET, TINY_MODEL, ConfigError, RunConfig
+from vlm_sft.data.pipeline import PackingPipeline
+from vlm_sft.data.shapes import materialize_shapes
+from vlm_sft.data.sources import ConversationSource, load_conversations, render_fn
+
+logger = logging.getLogger(__name__)
+
+
+def build_processor(cfg: RunConfig) -> Any:
+    """The tiny offline processor for ``tiny``, else the checkpoint's own (no torchvision needed)."""
+    if cfg.model.name_or_path == TINY_MODEL:
+        return load_tiny_processor()
+    return load_processor(cfg.model.name_or_path)
+
+
+def build_model_config(cfg: RunConfig) -> Qwen3_5Config:
+    if cfg.model.name_or_path == TINY_MODEL:
+        from vlm_sft.model.presets import tiny_qwen3_5_config
+
+        kwargs = {"hidden_size": cfg.model.hidden_size, "vision_hidden_size": cfg.model.hidden_size}
+        if cfg.model.initializer_range is not None:
+            kwargs["initializer_range"] = cfg.model.initializer_range
+        return tiny_qwen3_5_config(**kwargs)
+    from vlm_sft.model.checkpoint_io import resolve_checkpoint_dir
+
+    return Qwen3_5Config.from_pretrained(resolve_checkpoint_dir(cfg.model.name_or_path))
+
+
+def build_renderer(cfg: RunConfig, processor: Any):
+    return get_renderer(processor, loss_on=cfg.data.loss_on, special_text=cfg.data.special_text)
+
+
+@dataclass(frozen=True)
+class DataSources:
+    """Training and held-out conversations, with the eval task of each held-out row when the data has one."""
+
+    train: ConversationSource
+    """Training rows."""
+    eval: ConversationSource | None
+    """Held-out rows, or None when the config names none."""
+    eval_tasks: dict[int, str]
+    """Held-out row index -> task name (``task`` column), for per-task accuracy; empty when absent."""
+
+
+def load_sources(cfg: RunConfig, *, is_main: bool = True, wait: Any = None) -> DataSources:
+    """Load (and for ``shapes`` first materialize, on the main rank only) the configured data.
+
+    ``wait`` is called between materialization and loading (a barrier in distributed runs).
+    """
+    d = cfg.data
+    if d.source == SHAPES_DATASET:
+        s = d.shapes
+        kwargs = {"num_train": s.num_train, "num_eval": s.num_eval, "seed": s.seed, "image_size": s.image_size}
+        if is_main:
+            materialize_shapes(s.root, **kwargs)
+        if wait is not None:
+            wait()
+        paths = materialize_shapes(s.root, progress=False, **kwargs)
+        train_path, eval_path = paths["train"], (paths["eval"] if s.num_eval else None)
+    else:
+        if wait is not None:
+            wait()
+        train_path, eval_path = d.source, d.eval_source
+    train = load_conversations(train_path, split=d.split)
+    held = load_conversations(eval_path, split=d.split) if eval_path is not None else None
+    tasks: dict[int, str] = {}
+    if held is not None and "task" in held.dataset.column_names:
+        tasks = {i: str(t) for i, t in enumerate(held.dataset["task"])}
+    logger.info("data: %d training rows from %s, %d held-out", len(train), train_path, len(held) if held else 0)
+    return DataSources(train=train, eval=held, eval_tasks=tasks)
+
+
+class _RequireVLM:
+    """Wraps a render function: an image sample with no ``[model.vlm]`` section is a config error, not a skip."""
+
+    def __init__(self, fn: Any, has_vlm: bool, progress: Any = None) -> None:
+        self.fn = fn
+        self.has_vlm = has_vlm
+        self.progress = progress
+
+    def __call__(self, index: int) -> RenderedSample:
+        if self.progress is not None:
+            self.progress.update(1)
+        sample = self.fn(index)
+        if sample.num_images and not self.has_vlm:
+            raise ConfigError(
+                f"sample {index} has {sample.num_images} image(s) but the config has no [model.vlm] section; "
+                "add [model.vlm] (freeze_vision = true keeps the tower fixed)"
+            )
+        return sample
+
+
+def build_pipeline(
+    cfg: RunConfig,
+    source: ConversationSource,
+    renderer: Any,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    epochs: int | None,
+    shuffle: bool = True,
+    packing: str | None = None,
+    shard_by: str = "packs",
+    progress: Any = None,
+) -> PackingPipeline:
+    """The packing pipeline of ``source``. Ranks split the global pack stream (``shard_by="packs"``).
+
+    Rank ``r`` of ``w`` takes packs ``r, r + w, ...`` of the stream a single process would produce, so the packs of
+    one optimizer step are the same whatever the world size (the 2-rank vs 1-rank equivalence relies on it). Each
+    rank renders the whole stream; see the pipeline module for the cheaper ``indices`` sharding. ``progress`` (a
+    tqdm bar) is advanced once per rendered sample.
+    """
+    d = cfg.data
+    return PackingPipeline(
+        len(source),
+        _RequireVLM(render_fn(source, renderer), cfg.model.vlm is not None, progress),
+        seq_len=d.seq_len,
+        pack_len=d.pack_len,
+        packing=packing or d.packing,
+        batch_size=d.stack_batch_size,
+        buffer_size=d.bfd_buffer,
+        max_image_patches_per_pack=d.max_image_patches_per_pack,
+        truncation=d.truncation,
+        shuffle=shuffle,
+        seed=cfg.train.seed,
+        epochs=epochs,
+        rank=rank,
+        world_size=world_size,
+        shard_by=shard_by,
+    )
+
+
+def build_model(cfg: RunConfig, device: torch.device):
+    """Random-init tiny model, or a checkpoint (hub id or directory) through the same loading code.
+
+    Without a ``[model.vlm]`` section the checkpoint's vision tower is frozen, with one warning: its parameters would
+    otherwise receive no gradient and still decay under AdamW.
+    """
+    from vlm_sft.model import Qwen3_5VLM
+    from vlm_sft.model import build_model as build_random
+
+    m = cfg.model
+    if m.vlm is None:
+        logger.warning("no [model.vlm] section: the vision tower is frozen (add [model.vlm] to configure it)")
+    freeze = True if m.vlm is None else m.vlm.freeze_vision
+    kwargs = {
+        "attn_impl": m.attn_impl,
+        "linear_attn_impl": m.linear_attn_impl,
+        "loss_impl": m.loss_impl,
+        "freeze_vision": freeze,
+        "activation_checkpointing": m.activation_checkpointing,
+        "device": device,
+    }
+    # bf16 runs keep fp32 master weights and compute under autocast (the trainer sets it up).
+    if m.name_or_path == TINY_MODEL:
+        torch.manual_seed(cfg.train.seed)
+        return build_random(build_model_config(cfg), dtype=torch.float32, **kwargs)
+    return Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=torch.float32, **kwargs)
+
+
+def resolve_output_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.train.output_dir)
