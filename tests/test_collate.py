@@ -66,7 +66,7 @@ def test_two_samples_in_one_row_with_padding():
 def test_text_only_batch_has_no_image_tensors_and_full_rows_have_no_pad_segment():
     a = shift_sample(compose_sample([TextSpan(4), TextSpan(5, True)], sample_index=0))
     b = shift_sample(compose_sample([TextSpan(8, True)], sample_index=1))
-    batch = collate(list(pack_stream([a, b], make_packer("cat", 8))))  # two rows: [a], [b, pad]... a is exactly 8
+    batch = collate(list(pack_stream([a, b], make_packer("cat", 8))))  # rows [a] (exactly 8) and [b, pad]
     batch.check()
     assert batch.pixel_values is None and batch.image_grid_thw is None
     assert batch.seq_lens.tolist() == [8, 7, 1]
