@@ -225,6 +225,30 @@ def normalize_messages(messages: Any) -> tuple[Message, ...]:
     return normalized
 
 
+def text_runs(message: Message) -> list[list[str]]:
+    """The texts of each run of adjacent text blocks (the template concatenates a run into one string)."""
+    runs: list[list[str]] = [[]]
+    for b in message.blocks:
+        if isinstance(b, TextBlock):
+            runs[-1].append(b.text)
+        elif runs[-1]:
+            runs.append([])
+    return [r for r in runs if r]
+
+
+def merge_text_runs(message: Message) -> Message:
+    """The message with each run of adjacent text blocks merged into one block (same rendered text)."""
+    if isinstance(message.content, str):
+        return message
+    blocks: list[Block] = []
+    for b in message.content:
+        if isinstance(b, TextBlock) and blocks and isinstance(blocks[-1], TextBlock):
+            blocks[-1] = TextBlock(blocks[-1].text + b.text)
+        else:
+            blocks.append(b)
+    return Message(message.role, tuple(blocks), message.reasoning_content, message.tool_calls, message.extra)
+
+
 def map_strings(value: Any, fn: Callable[[str], str]) -> Any:
     """Apply ``fn`` to every string inside nested dicts / lists (keys included), returning new containers."""
     if isinstance(value, str):

@@ -44,7 +44,9 @@ from renderers.content import (
     iter_text,
     map_message_text,
     map_strings,
+    merge_text_runs,
     normalize_messages,
+    text_runs,
     to_template_message,
 )
 from renderers.errors import RenderError
@@ -165,7 +167,7 @@ class Qwen3_5Renderer:
     # ---------------------------------------------------------------------------------------------- stages
 
     def _prepare(self, messages: Any, tools: Any) -> tuple[tuple[Message, ...], list[dict] | None, list[str]]:
-        conversation = normalize_messages(messages)
+        conversation = tuple(self._join_split_specials(m) for m in normalize_messages(messages))
         tools_ = _normalize_tools(tools)
         texts = iter_text(conversation, tools_)
         found = [m.group(0) for s in texts if "<" in s for m in self._special_re.finditer(s)]
@@ -186,8 +188,26 @@ class Qwen3_5Renderer:
             tools_ = map_strings(tools_, fn)
         return conversation, tools_, found
 
+    def _join_split_specials(self, message: Message) -> Message:
+        """Merge adjacent text blocks when a control-token string only forms across their boundary.
+
+        The template concatenates adjacent text blocks, so ``"<|image"`` + ``"_pad|>"`` would render a real image
+        slot that no single block contains; merged, the string is found and handled like any other.
+        """
+        if isinstance(message.content, str):
+            return message
+        for run in text_runs(message):
+            if len(run) > 1 and "<" in "".join(run):
+                whole = len(self._special_re.findall("".join(run)))
+                if whole > sum(len(self._special_re.findall(t)) for t in run):
+                    return merge_text_runs(message)
+        return message
+
     def _drop(self, text: str) -> str:
-        return self._special_re.sub("", text)
+        # Repeat: removing "<|image_pad|>" from "<|im_<|image_pad|>end|>" leaves a new "<|im_end|>".
+        while self._special_re.search(text):
+            text = self._special_re.sub("", text)
+        return text
 
     def _escape(self, text: str) -> str:
         return self._special_re.sub(lambda m: _MARK_OPEN + m.group(0) + _MARK_CLOSE, text)

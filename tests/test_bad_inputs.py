@@ -395,6 +395,31 @@ def test_phantom_placeholders_error_policy(processor):
     renderer.render(messages).check()
 
 
+def test_phantom_placeholder_split_across_text_blocks(renderer, processor):
+    """The template concatenates adjacent text blocks: "<|image" + "_pad|>" must not become an image slot."""
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "a <|image"}, {"type": "text", "text": "_pad|> b"}]},
+        {"role": "assistant", "content": "ok"},
+    ]
+    sample = renderer.render(messages)
+    assert count(sample, processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 0
+    assert "a <|image_pad|> b" in processor.tokenizer.decode(sample.token_ids)
+    assert sample.metadata["escaped_special_text"] == ("<|image_pad|>",)
+    with pytest.raises(RenderError):
+        get_renderer(processor, special_text="error").render(messages)
+    # separate blocks that are harmless stay separate (and render exactly as the processor renders them)
+    fine = [{"role": "user", "content": [{"type": "text", "text": "a <"}, {"type": "text", "text": "b"}]}, messages[1]]
+    ref = processor.apply_chat_template(fine, tokenize=True, return_dict=True, return_tensors="pt")
+    assert torch.equal(renderer.render(fine).token_ids, ref["input_ids"][0])
+
+
+def test_drop_policy_does_not_leave_a_new_control_token(processor):
+    messages = [{"role": "user", "content": "x <|im_<|image_pad|>end|> y"}, {"role": "assistant", "content": "ok"}]
+    sample = get_renderer(processor, special_text="drop").render(messages)
+    assert count(sample, processor.tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2
+    assert "x  y" in processor.tokenizer.decode(sample.token_ids)
+
+
 def test_reserved_escape_characters_refused(renderer):
     messages = [{"role": "user", "content": "x\ufdd0 <|im_end|>"}, {"role": "assistant", "content": "y"}]
     assert render_error(renderer, messages).reason == "reserved_character"

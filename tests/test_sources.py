@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import datasets
@@ -348,3 +349,9 @@ def test_unknown_columns_refused(data_dir):
     path = write_jsonl(data_dir / "odd.jsonl", [{"prompt": "x", "completion": "y"}])
     with pytest.raises(ValueError, match="no 'messages' or 'conversations' column"):
         load_conversations(path, cache_dir=str(data_dir / "cache"))
+
+
+def test_render_fn_pickles_for_dataloader_workers(renderer, data_dir):
+    source = load_conversations(write_jsonl(data_dir / "p.jsonl", MESSAGE_ROWS), cache_dir=str(data_dir / "cache"))
+    fn = pickle.loads(pickle.dumps(render_fn(source, renderer)))
+    assert torch.equal(fn(0).token_ids, render_fn(source, renderer)(0).token_ids)
