@@ -21,8 +21,16 @@ or end the turn early. Every special added token found in user-written text (con
 tools) is handled by ``special_text``: ``"escape"`` (default) tokenizes its characters as ordinary text (the string
 is split after its first character, so the tokenizer cannot match the special token) and lists it in
 ``metadata["escaped_special_text"]``; ``"drop"`` removes it (``metadata["dropped_special_text"]``);
-``"error"`` raises ``RenderError("special_token_in_text")``. Parity with ``apply_chat_template`` is defined only for
-conversations without such strings: the stock processor turns them into control tokens, which is the bug.
+``"error"`` raises ``RenderError("special_token_in_text")``. A string split across adjacent text blocks (which the
+template concatenates) is found too.
+
+Where parity with ``apply_chat_template`` is not defined, on purpose:
+- text containing control-token strings (the stock processor turns them into control tokens, which is the bug);
+  with ``escape`` the text around an escaped string is also tokenized as separate pieces, so BPE merges across
+  those boundaries can differ from tokenizing the whole string;
+- images with alpha (we composite on white, HF's ``convert("RGB")`` drops alpha), 16-bit grey (we scale, HF
+  clips), and in-memory PIL images with an EXIF orientation (we apply it; HF only does for files);
+- tool-call arguments given as a JSON string (we parse them; the template refuses them).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from renderers import (
 )
 from renderers.qwen3_5 import Qwen3_5Renderer
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3_5_renderings.json"
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "qwen3_5_renderings.json"
 WEATHER_TOOL = {
     "type": "function",
     "function": {
