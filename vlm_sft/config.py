@@ -89,6 +89,8 @@ class DataConfig(_Section):
     """``bfd`` best-fit-decreasing packing, ``cat`` sequential packing, ``stack`` padded batches (baseline)."""
     stack_batch_size: int = Field(32, ge=1)
     """Rows per micro-batch with ``packing = "stack"`` (packed modes put one row per micro-batch)."""
+    shuffle: bool = True
+    """Visit the training rows in a seeded random order each epoch (False: file order)."""
     bfd_buffer: int = Field(512, ge=1)
     """Look-ahead buffer (samples) of the ``bfd`` packer."""
     max_image_patches_per_pack: int | None = None

@@ -1,0 +1,208 @@
+"""The trainer end to end on CPU: FSDP2 over gloo, exact loss normalization, mixed modalities across ranks, exact
+resume after a real SIGKILL, and a final checkpoint that transformers loads with the same logits."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+from train_helpers import (
+    deterministic,
+    launch_env,
+    read_metrics,
+    run_training,
+    tiny_run_args,
+    train_command,
+)
+
+from vlm_sft.config import REPO_ROOT
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted((run_dir / "final").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory) -> Path:
+    """1 process x 4 micro-batches per step, 2 steps, with a held-out eval at the end."""
+    tmp = tmp_path_factory.mktemp("one_rank")
+    run_training(tiny_run_args(tmp, **{"train.micro_batches": 4, "data.shapes.num_eval": 8}))
+    return tmp / "run"
+
+
+def test_two_ranks_equal_one_rank_with_more_micro_batches(one_rank_run, tmp_path):
+    """2 ranks x 2 micro-batches see the same packs per step as 1 rank x 4: same losses and parameters."""
+    run_training(tiny_run_args(tmp_path, **{"train.micro_batches": 2, "data.shapes.num_eval": 8}), nproc=2)
+    one, two = read_metrics(one_rank_run), read_metrics(tmp_path / "run")
+    a, b = deterministic(one), deterministic(two)
+    assert [r["step"] for r in a] == [1, 2] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["trainable_tokens"] == rb["trainable_tokens"] and ra["real_tokens"] == rb["real_tokens"]
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5, abs=1e-6)
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
+    wa, wb = _weights(one_rank_run), _weights(tmp_path / "run")
+    assert wa.keys() == wb.keys()
+    worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+    assert worst <= 1e-5, worst
+    assert all(torch.isfinite(t).all() for t in wa.values())
+
+
+def test_eval_reports_loss_and_accuracy(one_rank_run):
+    evals = [r for r in read_metrics(one_rank_run) if "eval_loss" in r]
+    assert evals and evals[-1]["step"] == 2
+    assert 0.0 < evals[-1]["eval_loss"] < 20
+    assert 0.0 <= evals[-1]["eval_acc_all"] <= 1.0
+
+
+def test_final_checkpoint_loads_in_transformers_with_same_logits(one_rank_run):
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from processors import load_processor
+    from vlm_sft.model import Qwen3_5VLM
+
+    final = one_rank_run / "final"
+    processor = load_processor(final)
+    image = Image.new("RGB", (64, 64), (200, 30, 30))
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What colour?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "The shape is red."}]},
+    ]
+    inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    theirs = Qwen3_5ForConditionalGeneration.from_pretrained(final, dtype=torch.float32).eval()
+    ours = Qwen3_5VLM.from_pretrained(final).eval()
+    with torch.no_grad():
+        ref = theirs(
+            input_ids=inputs["input_ids"],
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+        ).logits
+        got = ours(
+            inputs["input_ids"],
+            pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+        )
+    assert float((ref - got).abs().max()) <= 1e-4
+    saved_cfg = json.loads((final / "config.json").read_text())
+    assert saved_cfg["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _image_row(folder: Path, name: str, n_images: int) -> dict:
+    blocks = []
+    for k in range(n_images):
+        p = folder / f"{name}-{k}.png"
+        Image.new("RGB", (64, 64), (40 * k + 30, 120, 200)).save(p)
+        blocks.append({"type": "image", "image": p.name})
+    filler = " ".join(["please describe the picture carefully"] * 6)
+    return {
+        "messages": [
+            {"role": "user", "content": [*blocks, {"type": "text", "text": filler}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "It is a picture with colours."}]},
+        ]
+    }
+
+
+def _text_row() -> dict:
+    filler = " ".join(["tell me something about shapes and colours"] * 6)
+    return {"messages": [{"role": "user", "content": filler}, {"role": "assistant", "content": "Shapes have colours."}]}
+
+
+@pytest.mark.parametrize(("rank0", "rank1"), [(0, 1), (2, 1)], ids=["text-only-vs-image", "two-images-vs-one"])
+def test_mixed_modalities_across_ranks_finish(tmp_path, rank0, rank1):
+    """Rank 0 and rank 1 get micro-batches with different image counts (none at all on one side): the vision tower
+    still runs in step on both, so FSDP's collectives match and the run finishes instead of hanging."""
+    rows = []
+    for i in range(8):
+        n = rank0 if i % 2 == 0 else rank1
+        rows.append(_image_row(tmp_path, f"r{i}", n) if n else _text_row())
+    data = tmp_path / "mixed.jsonl"
+    _write_rows(data, rows)
+    args = tiny_run_args(
+        tmp_path,
+        **{
+            "data.source": str(data),
+            "data.shuffle": False,
+            "data.packing": "cat",
+            "data.seq_len": 128,
+            "data.pack_len": 128,
+            "train.max_steps": 3,
+        },
+    )
+    run_training(args, nproc=2, timeout=120)
+    records = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["images"] == rank0 + rank1 for r in records)
+
+
+def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
+    common = {"train.max_steps": 12, "train.save_every": 3, "train.warmup_steps": 2, "data.shapes.num_train": 96}
+    reference = tmp_path / "ref"
+    run_training(tiny_run_args(reference, **common))
+    expected = deterministic(read_metrics(reference / "run"))
+
+    victim = tmp_path / "victim"
+    args = tiny_run_args(victim, **common)
+    proc = subprocess.Popen(
+        train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    ckpt = victim / "run" / "checkpoints" / "step-000003" / "COMPLETE"
+    deadline = time.monotonic() + 120
+    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    run_training([*args, "--train.resume", "latest"])
+    got = deterministic(read_metrics(victim / "run"))
+    assert got == expected
+
+
+def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
+    """A process SIGKILLed in the middle of writing a checkpoint leaves the previous one loadable."""
+    script = f"""
+import os, signal, torch
+import torch.distributed.checkpoint as dcp
+from vlm_sft.trainer import checkpoint as ck
+from vlm_sft.trainer.distributed import DistEnv
+env = DistEnv(0, 1, 0, torch.device("cpu"))
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.AdamW(model.parameters())
+model(torch.ones(1, 4)).sum().backward(); opt.step()
+state = ck.TrainerState(step=1, scheduler={{}}, data={{"pos": 1}}, rng=ck.capture_rng(), extra={{}})
+ck.save_checkpoint({str(tmp_path)!r}, model=model, optimizer=opt, state=state, env=env, keep_last=2)
+real_save = dcp.save
+def dying_save(*args, **kwargs):
+    real_save(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGKILL)  # after the shards, before the trainer state and the rename
+ck.dcp.save = dying_save
+state.step = 2
+ck.save_checkpoint({str(tmp_path)!r}, model=model, optimizer=opt, state=state, env=env, keep_last=2)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], env=launch_env(), cwd=REPO_ROOT, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "checkpoints" / "step-000002.tmp").is_dir()
+    from vlm_sft.trainer.checkpoint import load_checkpoint, resolve_resume
+    from vlm_sft.trainer.distributed import DistEnv
+
+    latest = resolve_resume("latest", tmp_path)
+    assert latest.name == "step-000001"
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    state = load_checkpoint(latest, model=model, optimizer=opt, env=DistEnv(0, 1, 0, torch.device("cpu")))
+    assert state.step == 1 and state.data == {"pos": 1}
