@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from vlm_sft.config import ConfigError, RunConfig, load_config, split_config_arg
+from vlm_sft.config import RunConfig, config_from_cli
 from vlm_sft.data.shift import ShiftedSample
 
 logger = logging.getLogger(__name__)
@@ -78,11 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tol", type=float, default=None, help="max |logit delta| (default by dtype)")
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        config_path, overrides = split_config_arg(rest)
-        cfg = load_config(config_path, overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+    cfg = config_from_cli(rest)
+    if cfg is None:
         return 2
     from vlm_sft.trainer import build
     from vlm_sft.trainer.distributed import resolve_device

@@ -7,6 +7,7 @@ the trainer, the data report and the packing check share.
 
 from __future__ import annotations
 
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -279,6 +280,20 @@ def split_config_arg(argv: list[str]) -> tuple[str | None, list[str]]:
             rest.append(arg)
         i += 1
     return config, rest
+
+
+def config_from_cli(argv: list[str]) -> RunConfig | None:
+    """``--config X`` plus dotted overrides -> config; prints the error and returns None when it is invalid.
+
+    The shared front of every command-line entry point (train, data report, packing check): each exits with
+    status 2 on None.
+    """
+    try:
+        config_path, overrides = split_config_arg(argv)
+        return load_config(config_path, overrides)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return None
 
 
 def _explain(err: ValidationError) -> str:

@@ -9,16 +9,12 @@ from __future__ import annotations
 import logging
 import sys
 
-from vlm_sft.config import ConfigError, load_config, split_config_arg
+from vlm_sft.config import config_from_cli
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        config_path, overrides = split_config_arg(argv)
-        cfg = load_config(config_path, overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+    cfg = config_from_cli(sys.argv[1:] if argv is None else argv)
+    if cfg is None:
         return 2
     from vlm_sft.trainer.loop import train
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from vlm_sft.config import ConfigError, RunConfig, load_config, split_config_arg
+from vlm_sft.config import RunConfig, config_from_cli
 from vlm_sft.data.pipeline import summarize_pass
 
 
@@ -65,11 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON path (default: <train.output_dir>/data_report.json)")
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING)
-    try:
-        config_path, overrides = split_config_arg(rest)
-        cfg = load_config(config_path, overrides)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+    cfg = config_from_cli(rest)
+    if cfg is None:
         return 2
     report = build_report(cfg)
     print(format_report(report))

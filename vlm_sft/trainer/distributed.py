@@ -90,12 +90,17 @@ def shard_model(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | No
     return model
 
 
-def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    """Sum a tensor over all ranks (identity when single-process)."""
+def all_reduce(value: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.Tensor:
+    """Reduce a CPU tensor over all ranks with ``sum`` / ``max`` / ``min`` (identity when single-process)."""
     if env.distributed:
         value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        dist.all_reduce(value, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return value
+
+
+def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
+    """Sum a tensor over all ranks (identity when single-process)."""
+    return all_reduce(value, env, "sum")
 
 
 def barrier(env: DistEnv) -> None:

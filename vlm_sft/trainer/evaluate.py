@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from vlm_sft.data.batch import PackedBatch
-from vlm_sft.trainer.distributed import DistEnv, all_reduce_sum
+from vlm_sft.trainer.distributed import DistEnv, all_reduce, all_reduce_sum
 
 
 def model_inputs(batch: PackedBatch) -> dict:
@@ -73,7 +73,7 @@ def evaluate(
     was_training = model.training
     model.eval()
     n_local = torch.tensor(len(batches), dtype=torch.long)
-    n_forwards = int(_all_reduce_max(n_local, env))
+    n_forwards = int(all_reduce(n_local, env, "max"))
     sums = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
     correct: Counter[str] = Counter()
     seen: Counter[str] = Counter()
@@ -110,12 +110,3 @@ def evaluate(
         if s:
             out[f"eval_acc_{k}"] = c / s
     return out
-
-
-def _all_reduce_max(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
-    if env.distributed:
-        import torch.distributed as dist
-
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return value

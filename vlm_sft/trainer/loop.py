@@ -33,7 +33,7 @@ from vlm_sft.trainer.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from vlm_sft.trainer.distributed import DistEnv, all_reduce_sum, barrier, init_distributed, shard_model
+from vlm_sft.trainer.distributed import DistEnv, all_reduce, all_reduce_sum, barrier, init_distributed, shard_model
 from vlm_sft.trainer.evaluate import evaluate
 from vlm_sft.trainer.metrics import MetricsLogger, StepTimer, peak_memory_mb
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
@@ -95,19 +95,10 @@ def _count_steps(cfg: RunConfig, sources: build.DataSources, renderer, env: Dist
     packs = sum(1 for _ in pipeline)
     per_epoch = packs / whole
     steps = int(per_epoch * epochs) // cfg.train.micro_batches
-    if env.distributed:
-        steps = _min_over_ranks(steps, env)  # every rank must run the same number of steps
+    steps = int(all_reduce(torch.tensor([steps]), env, "min"))  # every rank must run the same number of steps
     if steps < 1:
         raise ValueError(f"train.epochs = {epochs} gives no full optimizer step ({packs} packs); raise epochs")
     return steps
-
-
-def _min_over_ranks(value: int, env: DistEnv) -> int:
-    import torch.distributed as dist
-
-    t = torch.tensor([value])
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t)
 
 
 def train(cfg: RunConfig) -> RunResult:
