@@ -62,10 +62,17 @@ def test_masked_tokens_do_not_contribute() -> None:
 
 def test_gradient_scales_with_upstream_gradient() -> None:
     hidden, weight, targets, mask = _inputs(torch.float64)
-    loss, _ = chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)
-    (g1,) = torch.autograd.grad(loss, hidden, retain_graph=True)
-    (g3,) = torch.autograd.grad(3.0 * loss, hidden)
+    (g1,) = torch.autograd.grad(chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)[0], hidden)
+    (g3,) = torch.autograd.grad(3.0 * chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)[0], hidden)
     torch.testing.assert_close(g3, 3.0 * g1)
+
+
+def test_second_backward_through_the_same_forward_raises() -> None:
+    hidden, weight, targets, mask = _inputs(torch.float32)
+    loss, _ = chunked_cross_entropy(hidden, weight, targets, mask, chunk_size=64)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        loss.backward()
 
 
 def test_no_grad_inputs_give_the_same_value() -> None:

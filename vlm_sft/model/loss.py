@@ -9,7 +9,8 @@ Backends:
   (fp32), the loss, and right away the softmax gradient, turns it into the hidden-state gradient and adds it to the
   LM-head weight gradient, then frees the chunk. Backward only scales these stored gradients by the incoming grad,
   so at most one chunk of logits is alive at any time, in forward or backward. Gradients are computed in forward
-  only when an input needs them (eval pays one matmul per chunk).
+  only when an input needs them (eval pays one matmul per chunk); one backward per forward (no ``retain_graph``
+  second pass: the stored gradients are scaled in place and handed over).
 - ``"fla_fused"`` (CUDA): flash-linear-attention's fused linear cross-entropy (the same scheme in triton).
 
 Legend: T = total tokens of the flattened batch, D = hidden size, V = vocabulary size, N = tokens in one chunk.
@@ -91,16 +92,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_h_TD[start:stop] = dlogits_NV @ weight_VD
                 if need_dw:
                     grad_w_VD.addmm_(probs_NV.T, h_ND.to(acc))
-            del logits_NV, probs_NV
-        ctx.save_for_backward(grad_h_TD, grad_w_VD)
+                del dlogits_NV
+            del logits_NV, probs_NV  # free this chunk's buffer before the next chunk allocates its own
+        # Kept on ctx (not save_for_backward) so backward can scale them in place and hand them over: a second
+        # [V, D] buffer for the weight gradient would cost as much as the vocabulary projection itself.
+        ctx.grads = (grad_h_TD, grad_w_VD)
         ctx.weight_dtype = weight_VD.dtype
         return losses_T.sum().float()
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        grad_h_TD, grad_w_VD = ctx.saved_tensors
-        dh = grad_h_TD * grad_loss.to(grad_h_TD.dtype) if grad_h_TD is not None else None
-        dw = (grad_w_VD * grad_loss.to(grad_w_VD.dtype)).to(ctx.weight_dtype) if grad_w_VD is not None else None
+        if ctx.grads is None:
+            raise RuntimeError("chunked_cross_entropy supports one backward per forward (its gradients are consumed)")
+        grad_h_TD, grad_w_VD = ctx.grads
+        ctx.grads = None
+        dh = grad_h_TD.mul_(grad_loss.to(grad_h_TD.dtype)) if grad_h_TD is not None else None
+        dw = grad_w_VD.mul_(grad_loss.to(grad_w_VD.dtype)).to(ctx.weight_dtype) if grad_w_VD is not None else None
         return dh, dw, None, None, None
 
 
