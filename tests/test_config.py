@@ -73,7 +73,7 @@ def test_split_config_arg():
         (["--model.dtype", "bfloat16"], "set model.dtype = 'float32'"),
         (["--train.max_steps", "none"], "set train.max_steps or train.epochs"),
         (["--train.epochs", "2"], "unset one of them"),
-        (["--train.warmup_steps", "500"], "lower warmup_steps"),
+        (["--train.warmup_steps", "5000"], "lower warmup_steps"),
         (["--model.name_or_path", "Qwen/Qwen3.5-0.8B"], "only applies to the tiny preset"),
         (["--data.packing", "stack", "--data.max_image_patches_per_pack", "64"], "Unset it or choose packing"),
         (["--train.lrr", "1"], "train.lrr: unknown setting"),
