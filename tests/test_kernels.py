@@ -44,7 +44,11 @@ def _grads(out: torch.Tensor, inputs: list[torch.Tensor], weight: torch.Tensor) 
     return list(torch.autograd.grad((out * weight).sum(), inputs))
 
 
-@pytest.mark.parametrize("lens", [BOUNDARY_LENS, [130], [1], [64]], ids=["packed", "one-130", "one-1", "one-64"])
+@pytest.mark.parametrize(
+    "lens",
+    [BOUNDARY_LENS, [40, 40, 7, 40, 1], [130], [1], [64]],
+    ids=["packed", "packed-short", "one-130", "one-1", "one-64"],
+)
 def test_gdn_torch_matches_recurrent_reference(lens: list[int]) -> None:
     inputs = _gdn_inputs(lens)
     cu = seq_lens_to_cu_seqlens(lens)

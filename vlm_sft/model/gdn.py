@@ -139,6 +139,9 @@ def _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm
     if total == 0:
         return v_THV.new_zeros(v_THV.shape)
     lengths = cu_seqlens_to_lengths(cu_seqlens, total)
+    # Any chunk size gives the same result; when every segment is shorter than a chunk, chunks as long as the
+    # longest segment avoid computing on padding (a row of 40-token samples would otherwise be 37% padding).
+    chunk_size = min(chunk_size, max(lengths))
     layout = chunk_layout(lengths, chunk_size, torch.device(v_THV.device))
     n, c = layout.num_chunks, chunk_size
     q, k, v, g, beta = _prepare(q_THK, k_THK, v_THV, g_TH, beta_TH, use_qk_l2norm)
