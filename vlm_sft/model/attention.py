@@ -11,8 +11,8 @@ Backends:
 GQA: ``k``/``v`` may have fewer heads than ``q`` (``H_q`` a multiple of ``H_kv``); each kv head serves
 ``H_q // H_kv`` consecutive query heads, as in transformers' ``repeat_kv``.
 
-Legend: T = total tokens of the flattened batch, H = query heads, G = kv heads, D = head dim, B = segments in a
-bucket, L = bucket length.
+Legend: T = total tokens of the flattened batch, H = heads (``k``/``v`` may have fewer than ``q``), D = head dim,
+B = segments in a bucket, L = bucket length.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 
 def varlen_attention(
     q_THD: torch.Tensor,
-    k_TGD: torch.Tensor,
-    v_TGD: torch.Tensor,
+    k_THD: torch.Tensor,
+    v_THD: torch.Tensor,
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     *,
@@ -39,35 +39,35 @@ def varlen_attention(
     backend: str,
 ) -> torch.Tensor:
     """Causal attention within each segment of ``cu_seqlens`` (int32 ``[S + 1]``); returns ``o_THD`` like ``q``."""
-    if q_THD.dim() != 3 or k_TGD.shape != v_TGD.shape or k_TGD.shape[0] != q_THD.shape[0]:
+    if q_THD.dim() != 3 or k_THD.shape != v_THD.shape or k_THD.shape[0] != q_THD.shape[0]:
         raise ValueError(
-            f"varlen_attention wants q [T, H, D], k and v [T, G, D]; got {tuple(q_THD.shape)}, "
-            f"{tuple(k_TGD.shape)}, {tuple(v_TGD.shape)}"
+            f"varlen_attention wants q [T, H, D], k and v [T, H_kv, D]; got {tuple(q_THD.shape)}, "
+            f"{tuple(k_THD.shape)}, {tuple(v_THD.shape)}"
         )
-    if q_THD.shape[1] % k_TGD.shape[1]:
-        raise ValueError(f"query heads {q_THD.shape[1]} must be a multiple of kv heads {k_TGD.shape[1]}")
+    if q_THD.shape[1] % k_THD.shape[1]:
+        raise ValueError(f"query heads {q_THD.shape[1]} must be a multiple of kv heads {k_THD.shape[1]}")
     if backend == "sdpa":
-        return _sdpa(q_THD, k_TGD, v_TGD, cu_seqlens, scale)
+        return _sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale)
     if backend == "flash_attn":
-        return _flash_attn(q_THD, k_TGD, v_TGD, cu_seqlens, max_seqlen, scale)
+        return _flash_attn(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale)
     if backend == "torch_varlen":
-        return _torch_varlen(q_THD, k_TGD, v_TGD, cu_seqlens, max_seqlen, scale)
+        return _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale)
     raise ValueError(f"unknown attention backend {backend!r}; expected 'flash_attn', 'torch_varlen' or 'sdpa'")
 
 
-def _sdpa(q_THD, k_TGD, v_TGD, cu_seqlens, scale):
+def _sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale):
     total, heads, head_dim = q_THD.shape
-    gqa = heads != k_TGD.shape[1]
+    gqa = heads != k_THD.shape[1]
     if total == 0:
         return q_THD.new_zeros(q_THD.shape)
     lengths = cu_seqlens_to_lengths(cu_seqlens, total)
     if sum(1 for n in lengths if n) == 1:
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_TGD, v_TGD))
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return o.squeeze(0).transpose(0, 1)
 
     layout = bucket_layout(lengths, torch.device(q_THD.device))
-    q_all, k_all, v_all = (gather_rows(x, layout.slot_to_token) for x in (q_THD, k_TGD, v_TGD))
+    q_all, k_all, v_all = (gather_rows(x, layout.slot_to_token) for x in (q_THD, k_THD, v_THD))
     outputs = []
     start = 0
     for batch, length in layout.buckets:
@@ -98,10 +98,10 @@ def _warn_fp32_once() -> None:
     logger.warning("flash attention kernels have no float32 path: float32 q/k/v are computed in bfloat16")
 
 
-def _flash_attn(q_THD, k_TGD, v_TGD, cu_seqlens, max_seqlen, scale):
+def _flash_attn(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale):
     from flash_attn import flash_attn_varlen_func  # CUDA-only import, this backend only
 
-    q, k, v = _half_precision(q_THD, k_TGD, v_TGD)
+    q, k, v = _half_precision(q_THD, k_THD, v_THD)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     o = flash_attn_varlen_func(
         q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=True
@@ -109,10 +109,10 @@ def _flash_attn(q_THD, k_TGD, v_TGD, cu_seqlens, max_seqlen, scale):
     return o.to(q_THD.dtype)
 
 
-def _torch_varlen(q_THD, k_TGD, v_TGD, cu_seqlens, max_seqlen, scale):
+def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale):
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v = _half_precision(q_THD, k_TGD, v_TGD)
+    q, k, v = _half_precision(q_THD, k_THD, v_THD)
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
     o = varlen_attn(
         q,
