@@ -23,6 +23,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def processor():
+    """The offline tiny Qwen3.5 processor (one per test module, so a module's changes never leak to another)."""
+    from processors import load_tiny_processor
+
+    return load_tiny_processor()
+
+
+@pytest.fixture(scope="module")
+def renderer(processor):
+    """The default Qwen3.5 renderer over the tiny processor."""
+    from renderers import get_renderer
+
+    return get_renderer(processor)
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch() -> None:
     torch.manual_seed(0)

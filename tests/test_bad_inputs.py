@@ -12,20 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-from processors import load_tiny_processor
 from renderers import IMAGE_TOKEN_TYPE, RenderError, get_renderer, load_image
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return load_tiny_processor()
-
-
-@pytest.fixture(scope="module")
-def renderer(processor):
-    return get_renderer(processor)
 
 
 def png_header_only(width: int, height: int) -> bytes:

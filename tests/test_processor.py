@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from chat_fixtures import WEATHER_TOOL
 from jinja2.exceptions import TemplateError
 from PIL import Image
 from transformers import AutoTokenizer
@@ -18,7 +19,6 @@ from processors import (
     TINY_PROCESSOR_DIR,
     ProcessorMismatchError,
     load_processor,
-    load_tiny_processor,
     save_processor,
     verify_saved_processor,
 )
@@ -38,14 +38,6 @@ from processors.special_tokens import (
 
 SYSTEM_AND_USER = [{"role": "system", "content": "You are concise."}, {"role": "user", "content": "What is 2+2?"}]
 ASSISTANT = {"role": "assistant", "reasoning_content": "Two plus two equals four.", "content": "Four."}
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Return the weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 # The three renderings of the real Qwen3.5-9B template (revision c202236), from the public goldens recorded in
 # shared/reference/qwen3_5_renderings.json; copied here so the tests run on a checkout without the shared folder.
 TOOLS_SYSTEM_TURN = '<|im_start|>system\n# Tools\n\nYou have access to the following functions:\n\n<tools>\n{"type": "function", "function": {"name": "get_weather", "description": "Return the weather for a city.", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>\n\nYou are concise.<|im_end|>\n'
@@ -60,11 +52,6 @@ REFERENCE_C = (
     "<|im_start|>assistant\n<think>\n"
 )
 SHARED_REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "qwen3_5_renderings.json"
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return load_tiny_processor()
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from chat_fixtures import WEATHER_TOOL
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 
-from processors import load_tiny_processor
 from renderers import (
     IMAGE_TOKEN_TYPE,
     RenderedSample,
@@ -23,25 +23,7 @@ from renderers import (
 from renderers.qwen3_5 import Qwen3_5Renderer
 
 REFERENCE = Path(__file__).resolve().parent / "fixtures" / "qwen3_5_renderings.json"
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Return the weather for a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 COLOURS = [(220, 40, 40), (40, 180, 60), (40, 70, 220), (235, 210, 40)]
-
-
-@pytest.fixture(scope="module")
-def processor():
-    return load_tiny_processor()
-
-
-@pytest.fixture(scope="module")
-def renderer(processor):
-    return get_renderer(processor)
 
 
 def shape_image(i: int, size: tuple[int, int] = (64, 64)) -> Image.Image:

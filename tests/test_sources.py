@@ -12,8 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from processors import load_tiny_processor
-from renderers import RenderError, get_renderer
+from renderers import RenderError
 from renderers.images import content_hash, read_image_source
 from vlm_sft.data.sources import (
     ConversationSource,
@@ -23,11 +22,6 @@ from vlm_sft.data.sources import (
     render_fn,
     rows_to_dataset,
 )
-
-
-@pytest.fixture(scope="module")
-def renderer():
-    return get_renderer(load_tiny_processor())
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
