@@ -102,8 +102,9 @@ class DataConfig(_Section):
     """Which assistant turns are trained."""
     special_text: Literal["escape", "drop", "error"] = "escape"
     """What to do with special-token strings (e.g. ``<|image_pad|>``) typed in user text."""
-    num_workers: int = Field(0, ge=0)
-    """DataLoader worker processes building packs on the CPU."""
+    num_workers: int = Field(0, ge=0, le=1)
+    """0: render and pack in the training process; 1: one worker process prefetches packed batches (the pipeline is
+    one deterministic stream, so one worker at most)."""
 
 
 class TrainConfig(_Section):
