@@ -5,6 +5,7 @@ Layout under ``<output_dir>/checkpoints``::
     step-000100/            complete checkpoint (has COMPLETE)
         model + optimizer   DCP shards, written by every rank
         rank00000.pt        per-rank trainer state: step, scheduler, data pipeline, RNG
+        hf/                 the same weights as an HF directory with processor and tokenizer (when the trainer asks)
         COMPLETE
     step-000200.tmp/        a save in progress, or one killed mid-write: never loaded, removed by the next save
 
@@ -19,6 +20,7 @@ import logging
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,8 +116,13 @@ def save_checkpoint(
     state: TrainerState,
     env: DistEnv,
     keep_last: int,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write a resumable checkpoint for ``state.step`` atomically; every rank must call this."""
+    """Write a resumable checkpoint for ``state.step`` atomically; every rank must call this.
+
+    ``write_extra(tmp_dir)`` runs on every rank before the checkpoint is marked complete (the trainer writes the HF
+    export there), so the extra files appear and disappear together with the checkpoint.
+    """
     root = checkpoints_dir(output_dir)
     final = root / f"step-{state.step:06d}"
     tmp = root / f"step-{state.step:06d}.tmp"
@@ -126,6 +133,8 @@ def save_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(state.__dict__, tmp / f"rank{env.rank:05d}.pt")
+    if write_extra is not None:
+        write_extra(tmp)
     barrier(env)
     if env.is_main:
         (tmp / COMPLETE_MARKER).write_text(f"step {state.step}, world size {env.world_size}\n")
