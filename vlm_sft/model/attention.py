@@ -4,9 +4,9 @@ Backends:
 - ``"flash_attn"``: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16/bf16);
 - ``"torch_varlen"``: torch's built-in ``torch.nn.attention.varlen.varlen_attn`` (CUDA flash kernel, fp16/bf16);
 - ``"sdpa"``: ``F.scaled_dot_product_attention`` on a padded batch. Segments are grouped into buckets of similar
-  length (each at least half the bucket's longest, so padding is at most 2x), every bucket becomes one batched SDPA
-  call with ``is_causal=True``; a segment's padding sits after its last token, so causality alone keeps it out of
-  every real output and no mask tensor is built. One segment is a single plain call.
+  length (``varlen.length_buckets``: padded score work traded against the fixed cost of one more call), every
+  bucket becomes one batched SDPA call with ``is_causal=True``; a segment's padding sits after its last token, so
+  causality alone keeps it out of every real output and no mask tensor is built. One segment is a single plain call.
 
 GQA: ``k``/``v`` may have fewer heads than ``q`` (``H_q`` a multiple of ``H_kv``); each kv head serves
 ``H_q // H_kv`` consecutive query heads, as in transformers' ``repeat_kv``.
@@ -26,6 +26,13 @@ import torch.nn.functional as F
 from vlm_sft.model.varlen import bucket_layout, cu_seqlens_to_lengths, gather_rows
 
 logger = logging.getLogger(__name__)
+
+
+BUCKET_LINEAR_COST = 16
+"""Bucketing weight of per-slot work (gathers, output) against the ``L^2`` score work of a padded segment."""
+BUCKET_FIXED_COST = 20_000
+"""Fixed cost of one more SDPA call (forward and backward), in units of one padded query-key pair: about 150 us on
+a CPU core at the tiny model's 2 heads x 32. Only the speed depends on it, never the result."""
 
 
 def varlen_attention(
@@ -66,7 +73,7 @@ def _sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale):
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         return o.squeeze(0).transpose(0, 1)
 
-    layout = bucket_layout(lengths, torch.device(q_THD.device))
+    layout = bucket_layout(lengths, torch.device(q_THD.device), BUCKET_LINEAR_COST, BUCKET_FIXED_COST)
     q_all, k_all, v_all = (gather_rows(x, layout.slot_to_token) for x in (q_THD, k_THD, v_THD))
     outputs = []
     start = 0

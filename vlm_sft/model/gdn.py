@@ -8,10 +8,14 @@ Recurrence (per head, per token ``t`` of a segment, state ``S`` of shape ``[K, V
 
 Backends: ``"fla"`` calls flash-linear-attention's ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA + triton);
 ``"torch"`` is our varlen chunked rule: every segment is padded to whole chunks inside the kernel, so no chunk spans
-two segments; all chunks of all segments go through the intra-chunk algebra in one batched computation, and the
-inter-chunk scan carries one state per segment (segments ranked by chunk count, so the ones still running at scan
-step ``j`` are a prefix and each step is one batched matmul). ``naive_recurrent_gated_delta_rule`` is the
-token-by-token reference the tests hold both against.
+two segments. Segments longer than a chunk form one multi-chunk group: all their chunks go through the intra-chunk
+algebra in one batched computation, and the inter-chunk scan carries one state per segment (segments ranked by chunk
+count, so the ones still running at scan step ``j`` are a prefix and each step is one batched matmul). Shorter
+segments are bucketed by length (``varlen.grouped_chunk_layout``) into single-chunk groups, each padded only to its
+own longest member; a single-chunk segment never reads or writes a state, so those groups skip the ``w`` half of the
+triangular solve and the scan entirely. Log decays are floored at ``LOG_DECAY_FLOOR`` before ``exp`` (denormal fp32
+values are tens of times slower on CPUs; the floor is far below fp32 resolution). ``naive_recurrent_gated_delta_rule``
+is the token-by-token reference the tests hold both against.
 
 Legend: T = total tokens of the flattened batch, H = heads (value heads), K = key dim, V = value dim,
 N = chunks over all segments, C = chunk size, S = segments.
@@ -24,9 +28,12 @@ import logging
 
 import torch
 
-from vlm_sft.model.varlen import chunk_layout, cu_seqlens_to_lengths, gather_rows
+from vlm_sft.model.varlen import cu_seqlens_to_lengths, gather_rows, grouped_chunk_layout
 
 logger = logging.getLogger(__name__)
+
+LOG_DECAY_FLOOR = -80.0
+"""Log decays are floored here before ``exp`` (``exp(-80)`` ~ 1.8e-35 is still a normal fp32 number); see ``_exp``."""
 
 L2NORM_EPS = 1e-6
 """Same epsilon and formula as transformers' ``l2norm`` (aligned with fla): ``x * rsqrt(sum(x^2) + eps)``."""
@@ -133,47 +140,91 @@ def _masks(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.T
     return ones.triu(1), ones.triu(0)
 
 
+GROUP_LINEAR_COST = 32
+"""Bucketing weight of the per-slot (``[C, K]``-sized) work against the ``[C, C]``-sized work of a chunk."""
+GROUP_FIXED_COST = 12_000
+"""Fixed cost of one more chunk group (its ~70 kernel calls, forward and backward), in the units of ``C * (C + 32)``
+per chunk: about what a group of ten 30-token chunks costs on a CPU. Only the speed depends on it, never the result."""
+
+
 def _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm: bool, chunk_size: int):
     total, num_heads, v_dim = v_THV.shape
     k_dim = q_THK.shape[-1]
     if total == 0:
         return v_THV.new_zeros(v_THV.shape)
     lengths = cu_seqlens_to_lengths(cu_seqlens, total)
-    # Any chunk size gives the same result; when every segment is shorter than a chunk, chunks as long as the
-    # longest segment avoid computing on padding (a row of 40-token samples would otherwise be 37% padding).
-    chunk_size = min(chunk_size, max(lengths))
-    layout = chunk_layout(lengths, chunk_size, torch.device(v_THV.device))
-    n, c = layout.num_chunks, chunk_size
+    # Segments longer than a chunk share one chunked scan; shorter ones are bucketed by length into single-chunk
+    # groups, each padded only to its own longest member (any chunk size gives the same result).
+    layout = grouped_chunk_layout(lengths, chunk_size, torch.device(v_THV.device), GROUP_LINEAR_COST, GROUP_FIXED_COST)
     q, k, v, g, beta = _prepare(q_THK, k_THK, v_THV, g_TH, beta_TH, use_qk_l2norm)
+    # One gather per group for all five inputs: [T, H, 2K + V + 2] -> [N, H, C, 2K + V + 2].
+    packed_THF = torch.cat([q, k, v, g[..., None], beta[..., None]], dim=-1)
+    outputs = []
+    for group in layout.groups:
+        n, c = group.num_chunks, group.chunk_size
+        x = gather_rows(packed_THF, group.slot_to_token).view(n, c, num_heads, -1).transpose(1, 2)
+        q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC = x.split([k_dim, k_dim, v_dim, 1, 1], dim=-1)
+        g_NHC, beta_NHC = g_NHC.squeeze(-1), beta_NHC.squeeze(-1)
+        if group.single_chunk:
+            o_NHCV = _single_chunks(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC)
+        else:
+            o_NHCV = _chunked_scan(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC, group.step_sizes)
+        outputs.append(o_NHCV.transpose(1, 2).reshape(n * c, num_heads, v_dim))
+    o_flat = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return o_flat.index_select(0, layout.token_to_slot).to(v_THV.dtype)
 
-    # Padded, chunked, head-major per chunk: [N, H, C, *]. Padding has k = v = q = 0, g = 0, beta = 0 and sits after
-    # the real tokens of a segment's last chunk, so causality keeps it out of every real output.
-    def chunked(x: torch.Tensor) -> torch.Tensor:
-        x = gather_rows(x, layout.slot_to_token).view(n, c, num_heads, *x.shape[2:])
-        return x.transpose(1, 2).contiguous()
 
-    q_NHCK, k_NHCK, v_NHCV = chunked(q), chunked(k), chunked(v)
-    g_NHC, beta_NHC = chunked(g), chunked(beta)
+def _exp(log_x: torch.Tensor) -> torch.Tensor:
+    """``exp`` of a log decay, floored at ``exp(LOG_DECAY_FLOOR)``: fp32 results below ~1e-38 are denormal, and CPUs
+    compute and multiply denormals tens of times slower (measured: 35x for ``exp``). The floor changes a term by less
+    than 2e-35 of its neighbours' scale, far below fp32 resolution."""
+    return log_x.clamp_min(LOG_DECAY_FLOOR).exp()
 
-    # Intra-chunk algebra for all chunks at once (the UT transform of the WY representation, as in transformers).
-    strictly_upper, upper = _masks(c, q_NHCK.device)
+
+def _intra(q_NHCK, k_NHCK, g_NHC, beta_NHC):
+    """Intra-chunk terms shared by both paths: cumulative log decay, ``k beta``, and the ``[C, C]`` matrices ``A``
+    (for the UT transform) and ``attn`` (lower incl. the diagonal, for the outputs).
+
+    ``A`` keeps its diagonal: ``solve_triangular(unitriangular=True)`` never reads it (nor the upper triangle) and
+    its backward returns a strictly lower gradient, so masking it would only cost time. The decay is zero above the
+    diagonal: the masked entries are set to a log decay of 0 before ``exp`` (``exp(-inf)`` is slow on CPUs too) and
+    to 0 after.
+    """
+    strictly_upper, _ = _masks(q_NHCK.shape[-2], q_NHCK.device)
     gcum_NHC = g_NHC.cumsum(-1)
-    decay_NHCC = (gcum_NHC[..., :, None] - gcum_NHC[..., None, :]).masked_fill(strictly_upper, float("-inf")).exp()
+    log_decay_NHCC = (gcum_NHC[..., :, None] - gcum_NHC[..., None, :]).masked_fill(strictly_upper, 0.0)
+    decay_NHCC = _exp(log_decay_NHCC).masked_fill(strictly_upper, 0.0)
     kbeta_NHCK = k_NHCK * beta_NHC[..., None]
-    a_NHCC = ((kbeta_NHCK @ k_NHCK.transpose(-1, -2)) * decay_NHCC).masked_fill(upper, 0.0)
+    a_NHCC = (kbeta_NHCK @ k_NHCK.transpose(-1, -2)) * decay_NHCC
     attn_NHCC = (q_NHCK @ k_NHCK.transpose(-1, -2)) * decay_NHCC
-    rhs = torch.cat([v_NHCV * beta_NHC[..., None], kbeta_NHCK * gcum_NHC.exp()[..., None]], dim=-1)
+    return gcum_NHC, kbeta_NHCK, a_NHCC, attn_NHCC
+
+
+def _single_chunks(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC):
+    """Every chunk is a whole segment: the state starts at zero and is never read, so only ``attn @ u`` remains
+    (no ``w``, no state, half the triangular solve)."""
+    _, _, a_NHCC, attn_NHCC = _intra(q_NHCK, k_NHCK, g_NHC, beta_NHC)
+    u_NHCV = torch.linalg.solve_triangular(a_NHCC, v_NHCV * beta_NHC[..., None], upper=False, unitriangular=True)
+    return attn_NHCC @ u_NHCV
+
+
+def _chunked_scan(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC, step_sizes: tuple[int, ...]):
+    """Segments of several chunks, step-major (``ChunkLayout``): intra-chunk algebra for all chunks at once, then the
+    inter-chunk scan, one batched matmul per step over the segments still running."""
+    c, k_dim, v_dim = q_NHCK.shape[-2], q_NHCK.shape[-1], v_NHCV.shape[-1]
+    gcum_NHC, kbeta_NHCK, a_NHCC, attn_NHCC = _intra(q_NHCK, k_NHCK, g_NHC, beta_NHC)
+    rhs = torch.cat([v_NHCV * beta_NHC[..., None], kbeta_NHCK * _exp(gcum_NHC)[..., None]], dim=-1)
     solved = torch.linalg.solve_triangular(a_NHCC, rhs, upper=False, unitriangular=True)  # (I + A)^-1 rhs
     u_NHCV, w_NHCK = solved.split([v_dim, k_dim], dim=-1)
     # o = attn @ (u - w S) + (q * exp(gcum)) S = attn @ u + (q * exp(gcum) - attn @ w) S: the [C, C] products are
     # batched here so the sequential scan only does [C, K] x [K, V] work.
     intra_NHCV = attn_NHCC @ u_NHCV
-    read_NHCK = q_NHCK * gcum_NHC.exp()[..., None] - attn_NHCC @ w_NHCK
-    kdec_NHCK = k_NHCK * (gcum_NHC[..., -1:] - gcum_NHC).exp()[..., None]  # decayed to the chunk end
-    chunk_decay_NH = gcum_NHC[..., -1].exp()
+    read_NHCK = q_NHCK * _exp(gcum_NHC)[..., None] - attn_NHCC @ w_NHCK
+    kdec_NHCK = k_NHCK * _exp(gcum_NHC[..., -1:] - gcum_NHC)[..., None]  # decayed to the chunk end
+    chunk_decay_NH = _exp(gcum_NHC[..., -1])
 
     # Inter-chunk scan: step j handles chunk j of every segment that has one; the state rows are those segments.
-    sizes = list(layout.step_sizes)
+    sizes = list(step_sizes)
     read_w = torch.cat([read_NHCK, w_NHCK], dim=-2).split(sizes)  # one matmul per step for both reads of S
     u_steps, kdec_steps, decay_steps = u_NHCV.split(sizes), kdec_NHCK.split(sizes), chunk_decay_NH.split(sizes)
     intra_steps = intra_NHCV.split(sizes)
@@ -187,9 +238,7 @@ def _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm
         if j + 1 < len(sizes):
             v_new = u_steps[j] - reads[..., c:, :]
             state = state * decay_steps[j][..., None, None] + kdec_steps[j].transpose(-1, -2) @ v_new
-    o_NHCV = torch.cat(out_steps) if len(out_steps) > 1 else out_steps[0]
-    o_flat = o_NHCV.transpose(1, 2).reshape(n * c, num_heads, v_dim)
-    return o_flat.index_select(0, layout.token_to_slot).to(v_THV.dtype)
+    return torch.cat(out_steps) if len(out_steps) > 1 else out_steps[0]
 
 
 def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm: bool):

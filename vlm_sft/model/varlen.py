@@ -110,11 +110,153 @@ def chunk_layout(lengths: tuple[int, ...], chunk_size: int, device: torch.device
 
 
 @dataclass(frozen=True)
+class ChunkGroup:
+    """Some segments of a packed row, padded to whole chunks of one size, chunks ordered step-major.
+
+    A *single-chunk* group (``step_sizes == (num_chunks,)``) holds segments no longer than its chunk size: one chunk
+    each, no state carried between chunks. A multi-chunk group is a ``ChunkLayout`` over its segments.
+    """
+
+    chunk_size: int
+    """``C`` of this group."""
+    num_chunks: int
+    """Chunks in this group (one per segment for a single-chunk group)."""
+    step_sizes: tuple[int, ...]
+    """Chunks per scan step, as in ``ChunkLayout`` (one step for a single-chunk group)."""
+    slot_to_token: torch.Tensor
+    """int64 ``[num_chunks * C]``: global token of each padded slot, ``T`` for padding."""
+
+    @property
+    def single_chunk(self) -> bool:
+        return len(self.step_sizes) == 1
+
+
+@dataclass(frozen=True)
+class GroupedChunkLayout:
+    """A packed row split into chunk groups of different chunk sizes, so short segments are not padded to long ones.
+
+    Segments longer than the chunk size form one multi-chunk group (chunk size ``chunk_size``); shorter ones form
+    single-chunk groups whose chunk size is their longest member, chosen to minimise padded work plus a fixed cost per
+    group (``grouped_chunk_layout``). The groups' flat slot arrays are concatenated in group order.
+    """
+
+    groups: tuple[ChunkGroup, ...]
+    """The chunk groups, multi-chunk group (if any) first."""
+    token_to_slot: torch.Tensor
+    """int64 ``[T]``: position of each token in the concatenation of the groups' flat slots."""
+
+
+def _length_class(n: int) -> int:
+    """Lengths are grouped into classes of at most 1/8 relative width (exact up to 16) before the bucketing search,
+    which keeps it to ~8 candidates per octave however many segments a row has."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def length_buckets(lengths: Sequence[int], *, linear_cost: int, group_cost: int) -> list[list[int]]:
+    """Partition the non-empty segments into buckets that are each padded to their longest member.
+
+    Minimises ``sum over buckets (members * L * (L + linear_cost)) + group_cost * buckets`` (L = the bucket's
+    longest length): quadratic work per padded segment (attention scores, ``[C, C]`` chunk algebra), linear work,
+    and a fixed cost per bucket (its kernel calls). Exact dynamic programme over the length classes (longest first;
+    a bucket is a run of consecutive classes). Returns segment indices per bucket, longest bucket first.
+    """
+    by_class: dict[int, list[int]] = {}
+    for s, n in enumerate(lengths):
+        if n > 0:
+            by_class.setdefault(_length_class(n), []).append(s)
+    classes = sorted(by_class, reverse=True)
+    longest = [max(lengths[s] for s in by_class[c]) for c in classes]
+    counts = [len(by_class[c]) for c in classes]
+    m = len(classes)
+    best = [0.0] + [float("inf")] * m
+    cut = [0] * (m + 1)
+    for j in range(1, m + 1):
+        members = 0
+        for i in range(j, 0, -1):  # run classes[i-1 .. j-1]; its longest member is in classes[i-1]
+            members += counts[i - 1]
+            top = longest[i - 1]
+            cost = best[i - 1] + members * top * (top + linear_cost) + group_cost
+            if cost < best[j]:
+                best[j], cut[j] = cost, i - 1
+    runs: list[list[int]] = []
+    j = m
+    while j > 0:
+        runs.append([s for c in classes[cut[j] : j] for s in by_class[c]])
+        j = cut[j]
+    return runs[::-1]
+
+
+def _padded_slots(
+    starts: torch.Tensor, lens: torch.Tensor, width: int, total: int, base: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Segments ``(starts, lens)`` laid out as rows of ``width`` slots, padding after each segment's tokens.
+
+    Returns ``slot_to_token`` (``[n * width]``, ``total`` for padding) and the (token, slot) pairs of the real
+    tokens, slots offset by ``base``."""
+    offsets = torch.arange(width)
+    real = offsets[None, :] < lens[:, None]
+    tokens = starts[:, None] + offsets[None, :]
+    slot_to_token = torch.where(real, tokens, total).reshape(-1)
+    slots = torch.arange(base, base + lens.numel() * width).view(-1, width)
+    return slot_to_token, tokens[real], slots[real]
+
+
+@functools.lru_cache(maxsize=64)
+def grouped_chunk_layout(
+    lengths: tuple[int, ...], chunk_size: int, device: torch.device, linear_cost: int = 0, group_cost: int = 0
+) -> GroupedChunkLayout:
+    """Build (and cache per length list) the chunk groups of segments with these lengths (see ``GroupedChunkLayout``).
+
+    Short segments are bucketed by ``length_buckets(linear_cost, group_cost)``: the work of a chunk of ``C`` slots is
+    taken as ``C * (C + linear_cost)``, every extra group as ``group_cost`` (the fixed cost of its kernel calls). A
+    short bucket cheaper as one-chunk members of the multi-chunk group (e.g. one stray 3-token segment) joins it.
+    """
+    assert chunk_size > 0
+    lens_t = torch.tensor(lengths, dtype=torch.int64)
+    starts_t = torch.cumsum(lens_t, 0) - lens_t
+    total = int(lens_t.sum())
+    token_to_slot = torch.empty(total, dtype=torch.int64)
+    groups: list[ChunkGroup] = []
+    base = 0
+    long_segs = [s for s, n in enumerate(lengths) if n > chunk_size]
+    short = [n if n <= chunk_size else 0 for n in lengths]
+    short_groups = length_buckets(short, linear_cost=linear_cost, group_cost=group_cost)
+    if long_segs:
+        # A short bucket that costs more on its own than as first chunks of the scan (where it adds no step) joins it.
+        joins = [
+            segs
+            for segs in short_groups
+            if len(segs) * chunk_size * (chunk_size + linear_cost)
+            < len(segs) * max(short[s] for s in segs) * (max(short[s] for s in segs) + linear_cost) + group_cost
+        ]
+        short_groups = [segs for segs in short_groups if segs not in joins]
+        long_segs = sorted(long_segs + [s for segs in joins for s in segs])
+        sub = chunk_layout(tuple(lengths[s] for s in long_segs), chunk_size, torch.device("cpu"))
+        tokens = torch.cat([torch.arange(int(starts_t[s]), int(starts_t[s]) + lengths[s]) for s in long_segs])
+        slot_to_token = torch.full((sub.num_chunks * chunk_size,), total, dtype=torch.int64)
+        real = sub.slot_to_token < tokens.numel()
+        slot_to_token[real] = tokens[sub.slot_to_token[real]]
+        token_to_slot[tokens] = sub.token_to_slot
+        groups.append(ChunkGroup(chunk_size, sub.num_chunks, sub.step_sizes, slot_to_token.to(device)))
+        base = sub.num_chunks * chunk_size
+    for segs in short_groups:
+        idx = torch.tensor(segs, dtype=torch.int64)
+        width = max(short[s] for s in segs)
+        slot_to_token, tokens, slots = _padded_slots(starts_t[idx], lens_t[idx], width, total, base)
+        token_to_slot[tokens] = slots
+        groups.append(ChunkGroup(width, len(segs), (len(segs),), slot_to_token.to(device)))
+        base += len(segs) * width
+    return GroupedChunkLayout(groups=tuple(groups), token_to_slot=token_to_slot.to(device))
+
+
+@dataclass(frozen=True)
 class BucketLayout:
     """Segments grouped into buckets of similar length, each bucket padded to its longest segment.
 
     A bucket is one batched call of a dense kernel (``[B, L_max, ...]``); padding sits at the end of each row, so a
-    causal kernel never lets a real token see it. Grouping by length bounds the padding at 2x the real tokens.
+    causal kernel never lets a real token see it. The grouping (``length_buckets``) trades padded work against the
+    fixed cost of one more call.
     """
 
     buckets: tuple[tuple[int, int], ...]
@@ -126,36 +268,27 @@ class BucketLayout:
 
 
 @functools.lru_cache(maxsize=64)
-def bucket_layout(lengths: tuple[int, ...], device: torch.device) -> BucketLayout:
-    """Group non-empty segments (longest first) into buckets whose members are at least half the bucket's longest."""
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    total = starts[-1]
-    order = sorted((s for s in range(len(lengths)) if lengths[s] > 0), key=lambda s: -lengths[s])
-    groups: list[list[int]] = []
-    for s in order:
-        if groups and 2 * lengths[s] >= lengths[groups[-1][0]]:
-            groups[-1].append(s)
-        else:
-            groups.append([s])
-    slot_to_token: list[int] = []
-    token_to_slot = [0] * total
-    buckets = []
-    for group in groups:
-        max_len = lengths[group[0]]
-        buckets.append((len(group), max_len))
-        for s in group:
-            base = len(slot_to_token)
-            n = lengths[s]
-            slot_to_token.extend(range(starts[s], starts[s] + n))
-            slot_to_token.extend([total] * (max_len - n))
-            for i in range(n):
-                token_to_slot[starts[s] + i] = base + i
+def bucket_layout(
+    lengths: tuple[int, ...], device: torch.device, linear_cost: int = 0, group_cost: int = 0
+) -> BucketLayout:
+    """Group the non-empty segments into buckets (``length_buckets``) and lay each out padded to its longest."""
+    lens_t = torch.tensor(lengths, dtype=torch.int64)
+    starts_t = torch.cumsum(lens_t, 0) - lens_t
+    total = int(lens_t.sum())
+    token_to_slot = torch.empty(total, dtype=torch.int64)
+    slot_parts, buckets = [], []
+    base = 0
+    for segs in length_buckets(lengths, linear_cost=linear_cost, group_cost=group_cost):
+        idx = torch.tensor(segs, dtype=torch.int64)
+        width = max(lengths[s] for s in segs)
+        slot_to_token, tokens, slots = _padded_slots(starts_t[idx], lens_t[idx], width, total, base)
+        token_to_slot[tokens] = slots
+        slot_parts.append(slot_to_token)
+        buckets.append((len(segs), width))
+        base += len(segs) * width
+    slot_to_token = torch.cat(slot_parts) if slot_parts else torch.zeros(0, dtype=torch.int64)
     return BucketLayout(
-        buckets=tuple(buckets),
-        slot_to_token=torch.tensor(slot_to_token, dtype=torch.int64, device=device),
-        token_to_slot=torch.tensor(token_to_slot, dtype=torch.int64, device=device),
+        buckets=tuple(buckets), slot_to_token=slot_to_token.to(device), token_to_slot=token_to_slot.to(device)
     )
 
 
