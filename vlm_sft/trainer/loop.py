@@ -22,6 +22,7 @@ from vlm_sft.config import RunConfig
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import PackingPipeline
+from vlm_sft.flops import batch_flops, mfu, peak_flops
 from vlm_sft.model.checkpoint_io import save_hf_checkpoint
 from vlm_sft.trainer import build
 from vlm_sft.trainer.checkpoint import (
@@ -35,7 +36,7 @@ from vlm_sft.trainer.checkpoint import (
 )
 from vlm_sft.trainer.distributed import DistEnv, all_reduce, all_reduce_sum, barrier, init_distributed, shard_model
 from vlm_sft.trainer.evaluate import evaluate
-from vlm_sft.trainer.metrics import MetricsLogger, StepTimer, peak_memory_mb
+from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -153,12 +154,16 @@ def train(cfg: RunConfig) -> RunResult:
         run_config=cfg.to_dict(),
     )
     timer = StepTimer(env.device)
+    # The vision tower's share of each forward (it runs once per forward, on a dummy image when there is none).
+    vision_timer = ModuleTimer(model.model.visual, env.device)
+    peak = peak_flops(env.device, autocast_dtype)
     last_eval: dict = {}
     train_time = 0.0
     real_tokens_total = 0
-    window = {"real": 0, "time": 0.0}
+    window = {"real": 0, "time": 0.0, "flops": 0.0}
     while step < total_steps:
         timer.reset()
+        vision_timer.take()  # drop anything an eval forward left behind
         packs = _next_packs(pipeline, cfg.train.micro_batches, env)
         if packs is None:
             break
@@ -169,6 +174,7 @@ def train(cfg: RunConfig) -> RunResult:
                 sum(b.num_real_tokens for b in batches),
                 sum(b.input_ids.numel() for b in batches),
                 sum(b.num_images for b in batches),
+                sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in batches),
             ],
             dtype=torch.float64,
         )
@@ -181,6 +187,7 @@ def train(cfg: RunConfig) -> RunResult:
             with torch.autocast(env.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 out = model(**batch.model_kwargs())
             timer.mark("forward_s")
+            timer.add("vision_s", vision_timer.take())
             (out.loss_sum * (env.world_size / max(n_trainable, 1.0))).backward()
             timer.mark("backward_s")
             loss_sum += out.loss_sum.detach().double().cpu()
@@ -190,13 +197,15 @@ def train(cfg: RunConfig) -> RunResult:
         optimizer.zero_grad(set_to_none=True)
         timer.mark("optimizer_s")
         step += 1
-        sections = timer.reset()
-        step_time = sum(sections.values())
+        sections = step_breakdown(timer.reset())
+        step_time = sections["step_time_s"]
         train_time += step_time
         real = int(global_counts[1])
+        flops = float(global_counts[4])
         real_tokens_total += real
         window["real"] += real
         window["time"] += step_time
+        window["flops"] += flops
         loss = float(all_reduce_sum(loss_sum, env)) / max(n_trainable, 1.0)
         metrics.advance(1, loss=loss, lr=scheduler.get_last_lr()[0], tok_s=real / max(step_time, 1e-9))
         if step % cfg.train.log_every == 0 or step == total_steps:
@@ -211,12 +220,14 @@ def train(cfg: RunConfig) -> RunResult:
                     "padding_fraction": 1.0 - real / max(float(global_counts[2]), 1.0),
                     "images": int(global_counts[3]),
                     "tokens_per_s": window["real"] / max(window["time"], 1e-9),
-                    "step_time_s": step_time,
                     "peak_memory_mb": peak_memory_mb(env.device),
                     **sections,
+                    "flops_per_step": flops,
+                    "tflops": window["flops"] / max(window["time"], 1e-9) / 1e12,
+                    "mfu": mfu(window["flops"], window["time"], peak, env.world_size),
                 }
             )
-            window = {"real": 0, "time": 0.0}
+            window = {"real": 0, "time": 0.0, "flops": 0.0}
         if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total_steps:
             last_eval = evaluate(
                 model, eval_batches, env=env, sample_tasks=sources.eval_tasks, autocast_dtype=autocast_dtype
@@ -238,6 +249,26 @@ def train(cfg: RunConfig) -> RunResult:
     if env.is_main:
         logger.info("done: %d steps in %.1f s (%.0f real tokens/s); final checkpoint %s", step, wall, tok_s, final_dir)
     return RunResult(steps=step, final_dir=final_dir, last_eval=last_eval, wall_time_s=wall, real_tokens_per_s=tok_s)
+
+
+STEP_SECTIONS = ("data_s", "forward_s", "backward_s", "optimizer_s")
+"""The disjoint wall-clock sections of a step; they sum to ``step_time_s``."""
+
+
+def step_breakdown(sections: dict[str, float]) -> dict[str, float]:
+    """Where one step's time went, as logged in ``metrics.jsonl`` (seconds, this rank).
+
+    ``data_s`` (waiting for packs, collating, the token-count all-reduce), ``forward_s`` = ``vision_s`` (the vision
+    tower) + ``text_forward_s`` (embedding, text decoder and the chunked loss, which also computes the LM head's
+    gradients), ``backward_s``, ``optimizer_s`` (clipping, AdamW, schedule); ``step_time_s`` is the sum of the four
+    disjoint sections. Synchronized on CUDA, so each section holds its own kernels.
+    """
+    out = {name: float(sections.get(name, 0.0)) for name in STEP_SECTIONS}
+    vision = float(sections.get("vision_s", 0.0))
+    out["vision_s"] = vision
+    out["text_forward_s"] = out["forward_s"] - vision
+    out["step_time_s"] = sum(out[name] for name in STEP_SECTIONS)
+    return out
 
 
 def _format_eval(step: int, ev: dict) -> str:

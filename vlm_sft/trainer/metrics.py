@@ -115,7 +115,12 @@ def _make_sink(name: str, output_dir: Path, run_config: dict):
 
 
 class StepTimer:
-    """Wall-clock sections of one step (data wait, forward, backward, optimizer), synchronized on CUDA."""
+    """Wall-clock sections of one step (data wait, forward, backward, optimizer), synchronized on CUDA.
+
+    ``mark(name)`` charges the time since the previous mark to ``name``; the sections of one step are disjoint and
+    sum to the step's wall time. ``add`` records a sub-section measured elsewhere (e.g. the vision tower inside the
+    forward), which is *not* part of that sum.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -129,7 +134,55 @@ class StepTimer:
         self.sections[name] = self.sections.get(name, 0.0) + (now - self._t)
         self._t = now
 
+    def add(self, name: str, seconds: float) -> None:
+        self.sections[name] = self.sections.get(name, 0.0) + seconds
+
     def reset(self) -> dict[str, float]:
         out, self.sections = self.sections, {}
         self._t = time.perf_counter()
         return out
+
+
+class ModuleTimer:
+    """Seconds spent inside one module's forward, from forward pre/post hooks (synchronized on CUDA).
+
+    The trainer attaches one to the vision tower to split the forward into vision and text time: the tower runs
+    once per forward, so ``take()`` after each forward returns that call's time. A module that is re-entered before
+    it returns (it is not, for the vision tower) would be timed from its outermost call.
+    """
+
+    def __init__(self, module: torch.nn.Module, device: torch.device) -> None:
+        self.device = device
+        self._seconds = 0.0
+        self._start: float | None = None
+        self._depth = 0
+        self._handles = [
+            module.register_forward_pre_hook(self._enter),
+            module.register_forward_hook(self._exit),
+        ]
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _enter(self, module, args) -> None:
+        if self._depth == 0:
+            self._start = self._now()
+        self._depth += 1
+
+    def _exit(self, module, args, output) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._start is not None:
+            self._seconds += self._now() - self._start
+            self._start = None
+
+    def take(self) -> float:
+        """Seconds accumulated since the last ``take`` (and reset)."""
+        out, self._seconds = self._seconds, 0.0
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
