@@ -1,0 +1,224 @@
+"""Training throughput and MFU of a randomly initialised Qwen3.5-0.8B-shaped model on one CUDA GPU, in bf16.
+
+    bash bench/gpu.sh                      (the whole GPU check: kernel exactness, then this)
+    python bench/gpu_bench.py [--pack-len 8192] [--steps 8] [--modes bfd,stack] [--backends auto,torch]
+    python bench/gpu_bench.py --smoke      (a CPU dry run of the same code on a shrunken shape)
+
+The model is ``vlm_sft.flops.qwen3_5_0_8b_config()`` (the real 0.8B shape, random init, nothing downloaded): fp32
+master weights, bf16 autocast, frozen vision tower (as ``configs/qwen3_5_0_8b.toml``), fused AdamW. Data: the
+long-tailed synthetic distribution (``SyntheticSource("long_tail")``: median 700 tokens, up to 8192, 0-4 images)
+packed into rows of ``--pack-len`` tokens (``bfd``), against padded ``stack`` batches of the same samples
+(``--stack-rows`` samples per batch in arrival order, each row padded to its batch's longest sample).
+
+Per mode: ``--warmup`` untimed steps (kernel compilation and autotuning), then ``--steps`` timed steps, each
+synchronized; the vision tower is timed by forward hooks (synchronized). Tokens/s counts real (non-padding) tokens;
+TFLOP/s and MFU count useful FLOPs only (``vlm_sft.flops``: real tokens and segments, forward x 3 for the text model,
+x 1 for the frozen tower) against the bf16 dense peak of the device (``flops.PEAK_BF16_DENSE_FLOPS``).
+Prints a table and writes ``bench/results/gpu_bench.json`` (and ``$OUT/gpu_bench.json`` when ``OUT`` is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from vlm_sft.data.batch import PackedBatch
+from vlm_sft.data.collate import collate
+from vlm_sft.data.pipeline import PackingPipeline
+from vlm_sft.data.synthetic import SyntheticSource
+from vlm_sft.flops import batch_flops, mfu, peak_flops, qwen3_5_0_8b_config
+from vlm_sft.model import build_model
+from vlm_sft.trainer.metrics import ModuleTimer
+
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_bench.json"
+
+
+def make_batches(samples, mode: str, *, pack_len: int, stack_rows: int, pad_id: int) -> list[PackedBatch]:
+    pipeline = PackingPipeline(
+        len(samples),
+        samples.__getitem__,
+        seq_len=pack_len,
+        pack_len=pack_len,
+        packing=mode,
+        batch_size=stack_rows,
+        buffer_size=stack_rows if mode == "stack" else 512,
+        truncation="truncate",
+        seed=0,
+        epochs=1,
+    )
+    return [collate([p], pad_id=pad_id) for p in pipeline]
+
+
+def shrink(config):
+    """A CPU-sized copy of the shape for ``--smoke`` (same layer mix and head structure, far fewer parameters)."""
+    t, v = config.text_config, config.vision_config
+    t.hidden_size, t.intermediate_size, t.num_hidden_layers = 128, 256, 4
+    t.layer_types = t.layer_types[:4]
+    t.head_dim, t.linear_key_head_dim, t.linear_value_head_dim = 32, 16, 16
+    t.vocab_size = 4096
+    t.pad_token_id = t.eos_token_id = 0
+    t.rope_parameters["mrope_section"] = [2, 1, 1]
+    v.depth, v.hidden_size, v.intermediate_size, v.num_heads, v.out_hidden_size = 2, 64, 128, 2, 128
+    return config
+
+
+class Bench:
+    def __init__(self, config, device: torch.device, backend: str) -> None:
+        torch.manual_seed(0)
+        impl = {"attn_impl": "sdpa", "linear_attn_impl": "torch", "loss_impl": "chunked"} if backend == "torch" else {}
+        self.model = build_model(config, device=device, dtype=torch.float32, freeze_vision=True, **impl)
+        self.model.train()
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
+        self.device = device
+        self.autocast = torch.bfloat16 if device.type == "cuda" else None
+        self.vision = ModuleTimer(self.model.model.visual, device)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step(self, batch: PackedBatch) -> dict[str, float]:
+        batch = batch.to(self.device)
+        self.vision.take()
+        self._sync()
+        t0 = time.perf_counter()
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            out = self.model(**batch.model_kwargs())
+        self._sync()
+        t1 = time.perf_counter()
+        (out.loss_sum / max(batch.num_trainable_tokens, 1)).backward()
+        self._sync()
+        t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._sync()
+        t3 = time.perf_counter()
+        return {"vision": self.vision.take(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
+
+
+def run_mode(bench: Bench, batches: list[PackedBatch], warmup: int, steps: int, peak: float | None) -> dict:
+    if len(batches) < warmup + steps:
+        batches = (batches * (1 + (warmup + steps) // max(len(batches), 1)))[: warmup + steps]
+    for b in batches[:warmup]:
+        bench.step(b)
+    if bench.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(bench.device)
+    timed = batches[warmup : warmup + steps]
+    records = [bench.step(b) for b in timed]
+    seconds = sum(r["forward"] + r["backward"] + r["optimizer"] for r in records)
+    model = bench.model
+    useful = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in timed)
+    executed = sum(
+        batch_flops(b, model.config, vision_trainable=model.vision_trainable, count_padding=True).train for b in timed
+    )
+    real = sum(b.num_real_tokens for b in timed)
+    capacity = sum(b.input_ids.numel() for b in timed)
+    total = {k: sum(r[k] for r in records) for k in ("vision", "forward", "backward", "optimizer")}
+    return {
+        "steps": len(timed),
+        "rows_x_len": f"{timed[0].shape[0]} x {max(b.shape[1] for b in timed)}",
+        "real_tokens": real,
+        "padding_fraction": 1 - real / capacity,
+        "real_tok_s": real / seconds,
+        "trainable_tok_s": sum(b.num_trainable_tokens for b in timed) / seconds,
+        "step_ms": 1e3 * statistics.median(r["forward"] + r["backward"] + r["optimizer"] for r in records),
+        "vision_ms": 1e3 * total["vision"] / len(records),
+        "text_forward_ms": 1e3 * (total["forward"] - total["vision"]) / len(records),
+        "backward_ms": 1e3 * total["backward"] / len(records),
+        "optimizer_ms": 1e3 * total["optimizer"] / len(records),
+        "useful_tflop_s": useful / seconds / 1e12,
+        "executed_over_useful_flops": executed / useful,
+        "mfu": mfu(useful, seconds, peak),
+        "peak_mem_gib": torch.cuda.max_memory_allocated(bench.device) / 2**30 if bench.device.type == "cuda" else None,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pack-len", type=int, default=8192)
+    ap.add_argument("--samples", type=int, default=600)
+    ap.add_argument("--modes", default="bfd,stack")
+    ap.add_argument("--stack-rows", type=int, default=2)
+    ap.add_argument("--backends", default="auto", help="comma list: auto (fastest installed), torch (pure torch)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--smoke", action="store_true", help="CPU dry run on a shrunken shape (checks the script only)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    config = qwen3_5_0_8b_config()
+    if args.smoke:
+        device = torch.device("cpu")
+        config = shrink(config)
+        args.pack_len, args.samples, args.warmup, args.steps = 1024, 24, 1, 2
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or pass --smoke for a CPU dry run of the script")
+    else:
+        device = torch.device("cuda")
+    peak = peak_flops(device, torch.bfloat16)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    source = SyntheticSource(args.samples, distribution="long_tail", seed=0)
+    samples = [source(i) for i in range(args.samples)]
+    pad_id = int(config.text_config.pad_token_id)
+    batches = {
+        m: make_batches(samples, m, pack_len=args.pack_len, stack_rows=args.stack_rows, pad_id=pad_id)
+        for m in args.modes.split(",")
+    }
+    rows = []
+    for backend in args.backends.split(","):
+        bench = Bench(config, device, backend)
+        chosen = bench.model.backends
+        for mode, bs in batches.items():
+            start = time.perf_counter()
+            row = run_mode(bench, bs, args.warmup, args.steps, peak)
+            row |= {"backend": backend, "mode": mode, "kernels": f"{chosen.attention}/{chosen.linear_attention}"}
+            row["wall_s"] = time.perf_counter() - start
+            rows.append(row)
+            print(f"  {backend} {mode}: {row['real_tok_s']:.0f} real tok/s ({row['wall_s']:.0f} s)", flush=True)
+        del bench
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    peak_text = f"peak {peak / 1e12:.0f} TFLOP/s bf16 dense" if peak else "no known peak rate (MFU n/a)"
+    shape = "shrunken Qwen3.5-0.8B shape (--smoke)" if args.smoke else "Qwen3.5-0.8B shape"
+    precision = "bf16 autocast" if device.type == "cuda" else "float32"
+    print(f"\n{shape}, random init, {precision}, frozen vision, {args.pack_len}-token packs; {name}; {peak_text}")
+    header = (
+        f"{'backend':<8} {'kernels':<20} {'mode':<6} {'rows x len':>11} {'real tok/s':>10} {'step ms':>8} "
+        f"{'vis/txt/bwd/opt ms':>22} {'TFLOP/s':>8} {'MFU':>6} {'pad':>5} {'mem GiB':>8}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for r in rows:
+        split = "/".join(f"{r[k]:.0f}" for k in ("vision_ms", "text_forward_ms", "backward_ms", "optimizer_ms"))
+        m = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
+        print(
+            f"{r['backend']:<8} {r['kernels']:<20} {r['mode']:<6} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} "
+            f"{r['step_ms']:>8.1f} {split:>22} {r['useful_tflop_s']:>8.1f} {m:>6} {r['padding_fraction']:>5.2f} {mem:>8}"
+        )
+    payload = {
+        "device": name,
+        "peak_flops": peak,
+        "torch": torch.__version__,
+        "pack_len": args.pack_len,
+        "smoke": args.smoke,
+        "rows": rows,
+    }
+    targets = [args.out] if not args.smoke else []
+    if os.environ.get("OUT"):
+        targets.append(Path(os.environ["OUT"]) / "gpu_bench.json")
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()
