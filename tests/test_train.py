@@ -157,7 +157,9 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     expected = deterministic(read_metrics(reference / "run"))
 
     victim = tmp_path / "victim"
-    args = tiny_run_args(victim, **common)
+    # The interrupted run prefetches batches in a worker process: its checkpoints must still hold the state of
+    # the last batch consumed, so both runs see the same stream.
+    args = tiny_run_args(victim, **common, **{"data.num_workers": 1})
     proc = subprocess.Popen(
         train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -171,6 +173,8 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     run_training([*args, "--train.resume", "latest"])
     got = deterministic(read_metrics(victim / "run"))
     assert got == expected
+    latest = sorted((victim / "run" / "checkpoints").glob("step-*"))[-1]
+    assert (latest / "hf" / "config.json").is_file() and (latest / "hf" / "tokenizer.json").is_file()
 
 
 def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
@@ -206,3 +210,13 @@ ck.save_checkpoint({str(tmp_path)!r}, model=model, optimizer=opt, state=state, e
     opt = torch.optim.AdamW(model.parameters())
     state = load_checkpoint(latest, model=model, optimizer=opt, env=DistEnv(0, 1, 0, torch.device("cpu")))
     assert state.step == 1 and state.data == {"pos": 1}
+
+
+def test_bf16_without_cuda_is_refused_with_the_fix(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from vlm_sft.train import main
+
+    args = tiny_run_args(tmp_path, **{"model.dtype": "bfloat16", "train.device": "auto"})
+    assert main(args) == 2
+    assert "set model.dtype = 'float32'" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from vlm_sft.config import config_from_cli
+from vlm_sft.config import ConfigError, config_from_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_sft.trainer.loop import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except ConfigError as err:  # settings that only fail against the machine or the data (e.g. bf16 without CUDA)
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
     if result.last_eval:
         accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}
         print(f"final eval: loss {result.last_eval['eval_loss']:.4f}, accuracy {accs}")

@@ -9,6 +9,7 @@ micro-batches.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -18,13 +19,13 @@ import torch
 
 from processors import save_processor
 from renderers import check_template_parity
-from vlm_sft.config import RunConfig
+from vlm_sft.config import ConfigError, RunConfig
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
-from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.flops import batch_flops, mfu, peak_flops
 from vlm_sft.model.checkpoint_io import save_hf_checkpoint
 from vlm_sft.trainer import build
+from vlm_sft.trainer.batches import TrainBatches
 from vlm_sft.trainer.checkpoint import (
     TrainerState,
     capture_rng,
@@ -74,16 +75,16 @@ def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: Dis
     return [collate([p], pad_id=pad_id) for p in pipeline]
 
 
-def _next_packs(pipeline: PackingPipeline, n: int, env: DistEnv) -> list | None:
-    """``n`` packs, or None on every rank as soon as one rank has run out (end of the last epoch)."""
-    packs = []
+def _next_batches(batches: TrainBatches, n: int, env: DistEnv) -> list[PackedBatch] | None:
+    """``n`` micro-batches, or None on every rank as soon as one rank has run out (end of the last epoch)."""
+    out = []
     for _ in range(n):
         try:
-            packs.append(next(pipeline))
+            out.append(next(batches))
         except StopIteration:
             break
-    have = all_reduce_sum(torch.tensor([0 if len(packs) == n else 1]), env)
-    return None if int(have) > 0 else packs
+    short = all_reduce_sum(torch.tensor([0 if len(out) == n else 1]), env)
+    return None if int(short) > 0 else out
 
 
 def _count_steps(cfg: RunConfig, sources: build.DataSources, renderer, env: DistEnv) -> int:
@@ -118,7 +119,12 @@ def train(cfg: RunConfig) -> RunResult:
     pad_id = int(processor.tokenizer.pad_token_id)
     sources = build.load_sources(cfg, is_main=env.is_main, wait=lambda: barrier(env))
 
-    autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" and env.device.type == "cuda" else None
+    if cfg.model.dtype == "bfloat16" and env.device.type != "cuda":
+        raise ConfigError(
+            f"model.dtype = 'bfloat16' but this run is on {env.device} (no CUDA device): bf16 autocast is only used on "
+            "CUDA; set model.dtype = 'float32' for CPU runs"
+        )
+    autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = build.build_model(cfg, env.device)
     if cfg.train.check_packing:
         from vlm_sft.check_packing import run_packing_check
@@ -134,16 +140,26 @@ def train(cfg: RunConfig) -> RunResult:
     total_steps = cfg.train.max_steps or _count_steps(cfg, sources, renderer, env)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
-    # Steps-based runs stream forever; epoch-based ones stop after the last (partial) epoch's steps.
-    pipeline = build.build_pipeline(cfg, sources.train, renderer, rank=env.rank, world_size=env.world_size, epochs=None)
     step = 0
+    data_state = None
     resume_from = resolve_resume(cfg.train.resume, out_dir)
     if resume_from is not None:
         state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env)
         scheduler.load_state_dict(state.scheduler)
-        pipeline.load_state_dict(state.data)
+        data_state = state.data
         restore_rng(state.rng)
         step = state.step
+    # Steps-based runs stream forever; epoch-based ones stop after the counted steps.
+    train_batches = TrainBatches(
+        functools.partial(
+            build.build_pipeline, cfg, sources.train, renderer, rank=env.rank, world_size=env.world_size, epochs=None
+        ),
+        pad_id=pad_id,
+        spatial_merge_size=model.config.vision_config.spatial_merge_size,
+        num_workers=cfg.data.num_workers,
+        state=data_state,
+        pin_memory=env.device.type == "cuda",
+    )
     eval_batches = _eval_batches(cfg, sources, renderer, env, pad_id)
     metrics = MetricsLogger(
         out_dir,
@@ -164,10 +180,9 @@ def train(cfg: RunConfig) -> RunResult:
     while step < total_steps:
         timer.reset()
         vision_timer.take()  # drop anything an eval forward left behind
-        packs = _next_packs(pipeline, cfg.train.micro_batches, env)
-        if packs is None:
+        batches = _next_batches(train_batches, cfg.train.micro_batches, env)
+        if batches is None:
             break
-        batches = [collate([p], pad_id=pad_id) for p in packs]
         local = torch.tensor(
             [
                 sum(b.num_trainable_tokens for b in batches),
@@ -235,7 +250,7 @@ def train(cfg: RunConfig) -> RunResult:
             metrics.log({"step": step, **last_eval})
             metrics.write(_format_eval(step, last_eval))
         if cfg.train.save_every and step % cfg.train.save_every == 0 and step != total_steps:
-            _save(out_dir, model, optimizer, scheduler, pipeline, step, env, cfg)
+            _save(out_dir, model, optimizer, scheduler, train_batches, step, env, cfg, processor)
     if eval_batches:
         last_eval = evaluate(
             model, eval_batches, env=env, sample_tasks=sources.eval_tasks, autocast_dtype=autocast_dtype
@@ -288,11 +303,20 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
     return float(norm)
 
 
-def _save(out_dir, model, optimizer, scheduler, pipeline, step, env, cfg) -> None:
+def _save(out_dir, model, optimizer, scheduler, train_batches, step, env, cfg, processor) -> None:
+    """A resumable checkpoint with an HF export of the same weights inside it (``checkpoints/step-N/hf``)."""
     state = TrainerState(
-        step=step, scheduler=scheduler.state_dict(), data=pipeline.state_dict(), rng=capture_rng(), extra={}
+        step=step, scheduler=scheduler.state_dict(), data=train_batches.state_dict(), rng=capture_rng(), extra={}
     )
-    save_checkpoint(out_dir, model=model, optimizer=optimizer, state=state, env=env, keep_last=cfg.train.keep_last)
+    save_checkpoint(
+        out_dir,
+        model=model,
+        optimizer=optimizer,
+        state=state,
+        env=env,
+        keep_last=cfg.train.keep_last,
+        write_extra=lambda folder: export_final(folder / "hf", model, processor, env),
+    )
 
 
 def export_final(directory: Path, model: torch.nn.Module, processor, env: DistEnv) -> Path:
