@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json.
+# About 20 minutes on 2 cores; bench_loss_memory.py alone needs ~12 GB of memory and ~5 minutes (skip it with
+# SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python}
+"$PY" bench/bench_packing.py
+"$PY" bench/bench_render.py
+"$PY" bench/bench_linear_attn.py
+if [[ -z "${SKIP_LOSS_MEMORY:-}" ]]; then
+  "$PY" bench/bench_loss_memory.py
+fi
+"$PY" bench/bench_train_throughput.py
