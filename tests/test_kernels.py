@@ -46,8 +46,8 @@ def _grads(out: torch.Tensor, inputs: list[torch.Tensor], weight: torch.Tensor) 
 
 @pytest.mark.parametrize(
     "lens",
-    [BOUNDARY_LENS, [40, 40, 7, 40, 1], [130], [1], [64]],
-    ids=["packed", "packed-short", "one-130", "one-1", "one-64"],
+    [BOUNDARY_LENS, [40, 40, 7, 40, 1], [30, 60] * 5 + [130], [130], [1], [64]],
+    ids=["packed", "packed-short", "two-short-groups", "one-130", "one-1", "one-64"],
 )
 def test_gdn_torch_matches_recurrent_reference(lens: list[int]) -> None:
     inputs = _gdn_inputs(lens)
