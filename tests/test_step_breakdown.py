@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from train_helpers import tiny_run_args
 
 from vlm_sft.config import load_config
 from vlm_sft.trainer.loop import STEP_SECTIONS, step_breakdown, train
@@ -20,20 +21,9 @@ BREAKDOWN_KEYS = ("data_s", "vision_s", "text_forward_s", "forward_s", "backward
 def metrics(tmp_path_factory) -> list[dict]:
     """Three steps of the tiny default run, in this process, with an eval after every step."""
     tmp = tmp_path_factory.mktemp("breakdown")
-    overrides = {
-        "data.shapes.root": str(tmp / "shapes"),
-        "data.shapes.num_train": 48,
-        "data.shapes.num_eval": 8,
-        "data.seq_len": 128,
-        "data.pack_len": 160,
-        "train.output_dir": str(tmp / "run"),
-        "train.max_steps": 3,
-        "train.warmup_steps": 1,
-        "train.log_every": 1,
-        "train.eval_every": 1,
-        "train.micro_batches": 2,
-    }
-    args = [x for k, v in overrides.items() for x in (f"--{k}", json.dumps(v) if not isinstance(v, str) else v)]
+    args = tiny_run_args(
+        tmp, **{"train.max_steps": 3, "data.shapes.num_eval": 8, "train.eval_every": 1, "train.micro_batches": 2}
+    )
     cfg = load_config("configs/debug.toml", args)
     train(cfg)
     lines = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -212,13 +212,8 @@ def plot_tokens(sample: RenderedSample, tokenizer: Any, *, width: int = 110, max
 
 
 def row_segments(batch: PackedBatch, row: int) -> list[tuple[int, int, int | None]]:
-    """``(start, end, dataset index or None for padding)`` of every segment of ``row``, in order."""
-    _, length = batch.shape
-    ends = batch.segment_lengths().cumsum(0).tolist()
-    first = row * length
-    spans = [(s - first, e - first) for s, e in zip([0, *ends[:-1]], ends, strict=True) if first <= s < first + length]
-    samples = batch.sample_indices[row]
-    return [(s, e, samples[k] if k < len(samples) else None) for k, (s, e) in enumerate(spans)]
+    """``(start, end, dataset index or None for padding)`` of every segment of ``row`` (``PackedBatch.row_segments``)."""
+    return batch.row_segments(row)
 
 
 def _strip(ax, values: torch.Tensor, cmap, label: str, vmax: int) -> None:

@@ -119,6 +119,20 @@ class PackedBatch:
         segs = torch.stack([real, length - real], dim=1).reshape(-1)
         return segs[segs > 0]
 
+    def row_segments(self, row: int) -> list[tuple[int, int, int | None]]:
+        """``(start, end, dataset index or None for padding)`` of every segment of ``row``, in order.
+
+        Rows hold their samples first, in ``sample_indices`` order, then padding.
+        """
+        length = self.shape[1]
+        ends = self.segment_lengths().cumsum(0).tolist()
+        first = row * length
+        spans = [
+            (s - first, e - first) for s, e in zip([0, *ends[:-1]], ends, strict=True) if first <= s < first + length
+        ]
+        samples = self.sample_indices[row]
+        return [(s, e, samples[k] if k < len(samples) else None) for k, (s, e) in enumerate(spans)]
+
     def check(self, *, positions: bool = True) -> None:
         """Assert every invariant of the contract (for tests and debug runs; raises AssertionError).
 

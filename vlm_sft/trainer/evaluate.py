@@ -21,41 +21,6 @@ from vlm_sft.data.batch import PackedBatch
 from vlm_sft.trainer.distributed import DistEnv, all_reduce, all_reduce_sum
 
 
-def model_inputs(batch: PackedBatch) -> dict:
-    """The keyword arguments of ``Qwen3_5VLM.forward`` for one batch (targets excluded)."""
-    return {
-        "seq_lens": batch.seq_lens,
-        "position_ids": batch.position_ids,
-        "pixel_values": batch.pixel_values,
-        "image_grid_thw": batch.image_grid_thw,
-        "mm_token_type_ids": batch.mm_token_type_ids,
-    }
-
-
-def _row_segments(batch: PackedBatch) -> list[list[tuple[int, int]]]:
-    """Per row, the (start, end) token spans of its samples, in order; padding segments excluded."""
-    B, L = batch.input_ids.shape
-    if batch.seq_lens is None:
-        spans = []
-        for r in range(B):
-            real = int(batch.attention_mask[r].sum()) if batch.attention_mask is not None else L
-            spans.append([(0, real)] if batch.sample_indices[r] else [])
-        return spans
-    lens = batch.seq_lens.tolist()
-    out: list[list[tuple[int, int]]] = []
-    pos = 0
-    for r in range(B):
-        row, start, n_samples = [], 0, len(batch.sample_indices[r])
-        while start < L:
-            n = lens[pos]
-            pos += 1
-            if len(row) < n_samples:
-                row.append((start, start + n))
-            start += n
-        out.append(row)
-    return out
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -83,7 +48,9 @@ def evaluate(
             raise RuntimeError(f"rank {env.rank} has no eval batch; use at least as many eval packs as ranks")
         batch = batches[min(i, len(batches) - 1)].to(env.device)
         with torch.autocast(env.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(batch.input_ids, **model_inputs(batch))
+            kwargs = batch.model_kwargs()
+            del kwargs["target_ids"], kwargs["loss_mask"]  # no targets: the model returns logits
+            logits = model(**kwargs)
         if i >= len(batches):
             continue
         logits = logits.float()
@@ -91,9 +58,9 @@ def evaluate(
         nll = nn.functional.cross_entropy(logits[mask], batch.target_ids[mask], reduction="sum")
         sums += torch.tensor([float(nll), float(mask.sum())], dtype=torch.float64)
         hit = (logits.argmax(-1) == batch.target_ids) | ~mask
-        for r, spans in enumerate(_row_segments(batch)):
-            for (start, end), idx in zip(spans, batch.sample_indices[r], strict=True):
-                if not bool(mask[r, start:end].any()):
+        for r in range(batch.shape[0]):
+            for start, end, idx in batch.row_segments(r):
+                if idx is None or not bool(mask[r, start:end].any()):  # padding, or nothing trained
                     continue
                 task = tasks.get(int(idx), "all")
                 ok = bool(hit[r, start:end].all())
