@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
 from vlm_sft.model.gdn import gated_delta_rule
-from vlm_sft.model.varlen import seq_lens_to_cu_seqlens
+from vlm_sft.model.varlen import Segments
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_linear_attn.json"
 
@@ -38,21 +38,21 @@ def make_inputs(tokens: int, heads: int, head_dim: int, seed: int = 0) -> list[t
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def ours(inputs: list[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
-    return gated_delta_rule(*inputs, cu_seqlens, backend="torch")
+def ours(inputs: list[torch.Tensor], segments: Segments) -> torch.Tensor:
+    return gated_delta_rule(*inputs, segments, backend="torch")
 
 
-def transformers_chunked(inputs: list[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
+def transformers_chunked(inputs: list[torch.Tensor], segments: Segments) -> torch.Tensor:
     q, k, v, g, beta = (x.unsqueeze(0) for x in inputs)
     out, _ = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     return out[0]
 
 
-def fwd_bwd_seconds(fn, inputs, cu_seqlens) -> tuple[float, float]:
+def fwd_bwd_seconds(fn, inputs, segments) -> tuple[float, float]:
     for x in inputs:
         x.grad = None
     t0 = time.perf_counter()
-    out = fn(inputs, cu_seqlens)
+    out = fn(inputs, segments)
     t1 = time.perf_counter()
     out.square().sum().backward()
     t2 = time.perf_counter()
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--segment-len", type=int, default=40)
     args = parser.parse_args()
     torch.manual_seed(0)
-    one_segment = seq_lens_to_cu_seqlens([args.tokens])
+    one_segment = Segments.from_lengths([args.tokens])
     rows = []
 
     for label, heads, dim in (("tiny 4x16", 4, 16), ("mid 16x128", 16, 128)):
@@ -95,7 +95,7 @@ def main() -> None:
 
     n_full, rest = divmod(args.tokens, args.segment_len)
     lens = [args.segment_len] * n_full + ([rest] if rest else [])
-    packed = seq_lens_to_cu_seqlens(lens)
+    packed = Segments.from_lengths(lens)
     for label, heads, dim in (("tiny 4x16", 4, 16), ("mid 16x128", 16, 128)):
         inputs = make_inputs(args.tokens, heads, dim)
         res = race({"packed": (ours, packed), "one segment": (ours, one_segment)}, inputs, args.reps)

@@ -10,7 +10,7 @@ import torch
 
 from vlm_sft.model import backends
 from vlm_sft.model.backends import Backends, BackendUnavailableError, resolve_backends
-from vlm_sft.model.varlen import seq_lens_to_cu_seqlens
+from vlm_sft.model.varlen import Segments
 
 CPU_AUTO = Backends(attention="sdpa", linear_attention="torch", conv="torch", loss="chunked")
 
@@ -97,12 +97,14 @@ def test_torch_linear_attention_request_keeps_the_conv_in_torch(monkeypatch: pyt
     assert resolve_backends("cuda", linear_attn_impl="torch").conv == "torch"
 
 
-def test_seq_lens_to_cu_seqlens() -> None:
-    cu = seq_lens_to_cu_seqlens([3, 0, 2])
-    assert cu.dtype == torch.int32 and cu.tolist() == [0, 3, 3, 5]
-    assert seq_lens_to_cu_seqlens(torch.tensor([4])).tolist() == [0, 4]
-    assert backends.seq_lens_to_cu_seqlens is seq_lens_to_cu_seqlens
+def test_segments_from_host_lengths() -> None:
+    segs = Segments.from_lengths([3, 0, 2])
+    assert segs.cu_seqlens.dtype == torch.int32 and segs.cu_seqlens.tolist() == [0, 3, 3, 5]
+    assert segs.cu_seqlens_long.dtype == torch.int64 and segs.lengths == (3, 0, 2) and segs.max_len == 3
+    assert Segments.from_lengths(torch.tensor([4])).cu_seqlens.tolist() == [0, 4]
     with pytest.raises(ValueError, match="non-negative"):
-        seq_lens_to_cu_seqlens([2, -1])
+        Segments.from_lengths([2, -1])
     with pytest.raises(ValueError, match="1-D"):
-        seq_lens_to_cu_seqlens([[1, 2]])
+        Segments.from_lengths([[1, 2]])
+    with pytest.raises(ValueError, match="host ints"):
+        Segments.from_lengths(torch.tensor([4], device="meta"))

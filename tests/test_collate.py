@@ -55,8 +55,8 @@ def test_two_samples_in_one_row_with_padding():
     batch = collate([pack])
     batch.check()
     assert batch.shape == (1, 40) and batch.seq_lens.tolist() == [len(a), len(b), 40 - len(a) - len(b)]
-    assert batch.cu_seqlens.dtype == torch.int32 and batch.cu_seqlens.tolist() == [0, 13, 23, 40]
-    assert batch.max_seqlen == 17 and batch.sample_indices == ((10, 11),)
+    assert batch.model_kwargs()["seq_lens"] == (13, 10, 17)  # host ints: FSDP would move a tensor to the GPU
+    assert batch.sample_indices == ((10, 11),)
     assert batch.image_grid_thw.tolist() == [[1, 4, 4], [1, 2, 2], [1, 4, 2]]
     assert torch.equal(batch.pixel_values, torch.cat([a.pixel_values, b.pixel_values]))
     assert batch.num_real_tokens == 23 and batch.num_trainable_tokens == a.num_trainable_tokens + b.num_trainable_tokens
@@ -79,7 +79,7 @@ def test_stack_batch_has_an_attention_mask_and_no_seq_lens():
     assert len(packs) == 1
     batch = collate(packs)
     batch.check()
-    assert batch.seq_lens is None and batch.cu_seqlens is None and batch.shape == (4, 16)
+    assert batch.seq_lens is None and batch.shape == (4, 16)
     assert batch.attention_mask.sum(-1).tolist() == [len(r[0]) for r in packs[0].rows]
     assert "attention_mask" not in batch.model_kwargs() and batch.model_kwargs()["seq_lens"] is None
     assert_rows_hold_their_samples(batch, list(packs[0].rows))
@@ -107,7 +107,7 @@ def test_check_catches_a_segment_across_rows():
     a = shift_sample(compose_sample([TextSpan(6, True)], sample_index=0))
     good = collate(list(pack_stream([a, a], make_packer("cat", 8))))
     good.check()
-    straddling = dataclasses.replace(good, seq_lens=torch.tensor([5, 6, 5]), cu_seqlens=torch.tensor([0, 5, 11, 16]))
+    straddling = dataclasses.replace(good, seq_lens=torch.tensor([5, 6, 5]))
     with pytest.raises(AssertionError, match="straddles"):
         straddling.check()
 

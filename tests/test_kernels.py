@@ -15,7 +15,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta
 from vlm_sft.model.attention import varlen_attention
 from vlm_sft.model.conv import causal_conv1d
 from vlm_sft.model.gdn import gated_delta_rule, naive_recurrent_gated_delta_rule
-from vlm_sft.model.varlen import seq_lens_to_cu_seqlens
+from vlm_sft.model.varlen import Segments
 
 BOUNDARY_LENS = [1, 2, 3, 63, 64, 65, 130]  # shorter than the conv, around one chunk of 64, two chunks
 TOL = 1e-5
@@ -51,9 +51,9 @@ def _grads(out: torch.Tensor, inputs: list[torch.Tensor], weight: torch.Tensor) 
 )
 def test_gdn_torch_matches_recurrent_reference(lens: list[int]) -> None:
     inputs = _gdn_inputs(lens)
-    cu = seq_lens_to_cu_seqlens(lens)
-    out = gated_delta_rule(*inputs, cu, backend="torch")
-    ref = naive_recurrent_gated_delta_rule(*inputs, cu)
+    segs = Segments.from_lengths(lens)
+    out = gated_delta_rule(*inputs, segs, backend="torch")
+    ref = naive_recurrent_gated_delta_rule(*inputs, segs)
     assert out.shape == (sum(lens), 4, 16)
     torch.testing.assert_close(out, ref, rtol=0, atol=TOL)
     weight = torch.randn_like(out)
@@ -64,14 +64,14 @@ def test_gdn_torch_matches_recurrent_reference(lens: list[int]) -> None:
 @pytest.mark.parametrize("chunk_size", [16, 32])
 def test_gdn_torch_chunk_size_does_not_change_the_result(chunk_size: int) -> None:
     inputs = _gdn_inputs(BOUNDARY_LENS)
-    cu = seq_lens_to_cu_seqlens(BOUNDARY_LENS)
-    out = gated_delta_rule(*inputs, cu, backend="torch", chunk_size=chunk_size)
-    torch.testing.assert_close(out, gated_delta_rule(*inputs, cu, backend="torch"), rtol=0, atol=TOL)
+    segs = Segments.from_lengths(BOUNDARY_LENS)
+    out = gated_delta_rule(*inputs, segs, backend="torch", chunk_size=chunk_size)
+    torch.testing.assert_close(out, gated_delta_rule(*inputs, segs, backend="torch"), rtol=0, atol=TOL)
 
 
 def test_gdn_torch_matches_transformers_chunked_rule_per_segment() -> None:
     inputs = _gdn_inputs(BOUNDARY_LENS)
-    out = gated_delta_rule(*inputs, seq_lens_to_cu_seqlens(BOUNDARY_LENS), backend="torch")
+    out = gated_delta_rule(*inputs, Segments.from_lengths(BOUNDARY_LENS), backend="torch")
     per_input = [_segments(x.detach(), BOUNDARY_LENS) for x in inputs]
     for i, out_seg in enumerate(_segments(out.detach(), BOUNDARY_LENS)):
         q, k, v, g, beta = (seg[i].unsqueeze(0) for seg in per_input)
@@ -81,19 +81,19 @@ def test_gdn_torch_matches_transformers_chunked_rule_per_segment() -> None:
 
 def test_gdn_pre_repeated_heads_equal_grouped_heads() -> None:
     inputs = _gdn_inputs(BOUNDARY_LENS)
-    cu = seq_lens_to_cu_seqlens(BOUNDARY_LENS)
+    segs = Segments.from_lengths(BOUNDARY_LENS)
     q, k, *rest = (x.detach() for x in inputs)
     repeated = [q.repeat_interleave(2, dim=1), k.repeat_interleave(2, dim=1), *rest]
     torch.testing.assert_close(
-        gated_delta_rule(*repeated, cu, backend="torch"), gated_delta_rule(q, k, *rest, cu, backend="torch")
+        gated_delta_rule(*repeated, segs, backend="torch"), gated_delta_rule(q, k, *rest, segs, backend="torch")
     )
 
 
 def test_gdn_one_segment_over_the_packed_row_leaks() -> None:
     """What a boundary-blind kernel computes: far from the per-segment result, so the tests above can fail."""
     inputs = _gdn_inputs(BOUNDARY_LENS)
-    exact = gated_delta_rule(*inputs, seq_lens_to_cu_seqlens(BOUNDARY_LENS), backend="torch")
-    blind = gated_delta_rule(*inputs, seq_lens_to_cu_seqlens([sum(BOUNDARY_LENS)]), backend="torch")
+    exact = gated_delta_rule(*inputs, Segments.from_lengths(BOUNDARY_LENS), backend="torch")
+    blind = gated_delta_rule(*inputs, Segments.from_lengths([sum(BOUNDARY_LENS)]), backend="torch")
     first = BOUNDARY_LENS[0]
     assert (exact[:first] - blind[:first]).abs().max() < TOL  # the first segment has nothing before it
     assert (exact - blind).abs().max() > LEAK
@@ -102,9 +102,9 @@ def test_gdn_one_segment_over_the_packed_row_leaks() -> None:
 def test_gdn_rejects_bad_shapes() -> None:
     q, k, v, g, beta = _gdn_inputs([5])
     with pytest.raises(ValueError, match=r"g and beta must be \[T, H\]"):
-        gated_delta_rule(q, k, v, g[:, :2], beta, seq_lens_to_cu_seqlens([5]), backend="torch")
-    with pytest.raises(ValueError, match="cu_seqlens must run from 0"):
-        gated_delta_rule(q, k, v, g, beta, seq_lens_to_cu_seqlens([4]), backend="torch")
+        gated_delta_rule(q, k, v, g[:, :2], beta, Segments.from_lengths([5]), backend="torch")
+    with pytest.raises(ValueError, match="the segments cover 4 tokens but the input has 5"):
+        gated_delta_rule(q, k, v, g, beta, Segments.from_lengths([4]), backend="torch")
 
 
 # ---------------------------------------------------------------- short causal conv
@@ -130,7 +130,7 @@ def test_conv_torch_matches_per_segment_conv1d(activation: str | None, with_bias
     x = torch.randn(sum(CONV_LENS), channels, requires_grad=True)
     weight = torch.randn(channels, width, requires_grad=True)
     bias = torch.randn(channels, requires_grad=True) if with_bias else None
-    out = causal_conv1d(x, weight, bias, seq_lens_to_cu_seqlens(CONV_LENS), backend="torch", activation=activation)
+    out = causal_conv1d(x, weight, bias, Segments.from_lengths(CONV_LENS), backend="torch", activation=activation)
     ref = _conv_reference(x, weight, bias, CONV_LENS, activation)
     torch.testing.assert_close(out, ref, rtol=0, atol=TOL)
     params = [x, weight] + ([bias] if with_bias else [])
@@ -141,15 +141,15 @@ def test_conv_torch_matches_per_segment_conv1d(activation: str | None, with_bias
 
 def test_conv_one_segment_over_the_packed_row_leaks() -> None:
     x, weight = torch.randn(sum(CONV_LENS), 8), torch.randn(8, 4)
-    exact = causal_conv1d(x, weight, None, seq_lens_to_cu_seqlens(CONV_LENS), backend="torch")
-    blind = causal_conv1d(x, weight, None, seq_lens_to_cu_seqlens([sum(CONV_LENS)]), backend="torch")
+    exact = causal_conv1d(x, weight, None, Segments.from_lengths(CONV_LENS), backend="torch")
+    blind = causal_conv1d(x, weight, None, Segments.from_lengths([sum(CONV_LENS)]), backend="torch")
     assert (exact - blind).abs().max() > LEAK
 
 
 def test_conv_rejects_unknown_activation() -> None:
     with pytest.raises(ValueError, match="activation must be one of"):
         causal_conv1d(
-            torch.randn(3, 2), torch.randn(2, 4), None, seq_lens_to_cu_seqlens([3]), backend="torch", activation="gelu"
+            torch.randn(3, 2), torch.randn(2, 4), None, Segments.from_lengths([3]), backend="torch", activation="gelu"
         )
 
 
@@ -179,7 +179,7 @@ def test_sdpa_varlen_matches_per_segment_sdpa(kv_heads: int, lens: list[int]) ->
     q = torch.randn(t, 4, dim, requires_grad=True)
     k = torch.randn(t, kv_heads, dim, requires_grad=True)
     v = torch.randn(t, kv_heads, dim, requires_grad=True)
-    out = varlen_attention(q, k, v, seq_lens_to_cu_seqlens(lens), max(lens), scale=scale, backend="sdpa")
+    out = varlen_attention(q, k, v, Segments.from_lengths(lens), scale=scale, backend="sdpa")
     ref = _attention_reference(q, k, v, lens, scale)
     assert out.shape == q.shape
     torch.testing.assert_close(out, ref, rtol=0, atol=TOL)
@@ -191,19 +191,17 @@ def test_sdpa_varlen_matches_per_segment_sdpa(kv_heads: int, lens: list[int]) ->
 def test_sdpa_one_segment_over_the_packed_row_leaks() -> None:
     t = sum(ATTN_LENS)
     q, k, v = torch.randn(t, 4, 32), torch.randn(t, 2, 32), torch.randn(t, 2, 32)
-    exact = varlen_attention(q, k, v, seq_lens_to_cu_seqlens(ATTN_LENS), 130, scale=0.2, backend="sdpa")
-    blind = varlen_attention(q, k, v, seq_lens_to_cu_seqlens([t]), t, scale=0.2, backend="sdpa")
+    exact = varlen_attention(q, k, v, Segments.from_lengths(ATTN_LENS), scale=0.2, backend="sdpa")
+    blind = varlen_attention(q, k, v, Segments.from_lengths([t]), scale=0.2, backend="sdpa")
     assert (exact - blind).abs().max() > LEAK
 
 
 def test_unknown_backend_names_raise() -> None:
-    cu = seq_lens_to_cu_seqlens([3])
+    segs = Segments.from_lengths([3])
     with pytest.raises(ValueError, match="unknown attention backend"):
-        varlen_attention(
-            torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), cu, 3, scale=1.0, backend="x"
-        )
+        varlen_attention(torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), segs, scale=1.0, backend="x")
     with pytest.raises(ValueError, match="unknown conv backend"):
-        causal_conv1d(torch.randn(3, 2), torch.randn(2, 4), None, cu, backend="x")
+        causal_conv1d(torch.randn(3, 2), torch.randn(2, 4), None, segs, backend="x")
     inputs = _gdn_inputs([3])
     with pytest.raises(ValueError, match="unknown linear-attention backend"):
-        gated_delta_rule(*inputs, cu, backend="x")
+        gated_delta_rule(*inputs, segs, backend="x")

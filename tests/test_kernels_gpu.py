@@ -18,7 +18,7 @@ from vlm_sft.model.attention import varlen_attention
 from vlm_sft.model.conv import causal_conv1d
 from vlm_sft.model.gdn import gated_delta_rule
 from vlm_sft.model.loss import chunked_cross_entropy
-from vlm_sft.model.varlen import seq_lens_to_cu_seqlens
+from vlm_sft.model.varlen import Segments
 
 pytestmark = pytest.mark.gpu
 
@@ -66,9 +66,9 @@ def _gdn_inputs(lens: list[int], heads: int = 4, dim: int = 64) -> list[torch.Te
 def test_gdn_fla_matches_torch() -> None:
     _needs("fla")
     inputs = _gdn_inputs(LENS)
-    cu = seq_lens_to_cu_seqlens(LENS, device=DEVICE)
-    want = gated_delta_rule(*inputs, cu, backend="torch")
-    got = gated_delta_rule(*[x.bfloat16() if x.dim() == 3 else x for x in inputs], cu, backend="fla")
+    segs = Segments.from_lengths(LENS, DEVICE)
+    want = gated_delta_rule(*inputs, segs, backend="torch")
+    got = gated_delta_rule(*[x.bfloat16() if x.dim() == 3 else x for x in inputs], segs, backend="fla")
     _assert_close(got, want, 2e-2)
     w = torch.randn_like(want)
     for g_got, g_want in zip(_grads(got, inputs, w), _grads(want, inputs, w), strict=True):
@@ -77,9 +77,9 @@ def test_gdn_fla_matches_torch() -> None:
 
 def test_gdn_torch_on_cuda_matches_cpu() -> None:
     inputs = _gdn_inputs(LENS)
-    cu = seq_lens_to_cu_seqlens(LENS, device=DEVICE)
-    got = gated_delta_rule(*inputs, cu, backend="torch")
-    want = gated_delta_rule(*[x.detach().cpu() for x in inputs], cu.cpu(), backend="torch")
+    segs = Segments.from_lengths(LENS, DEVICE)
+    got = gated_delta_rule(*inputs, segs, backend="torch")
+    want = gated_delta_rule(*[x.detach().cpu() for x in inputs], Segments.from_lengths(LENS), backend="torch")
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
@@ -90,9 +90,9 @@ def test_conv_cuda_matches_torch(backend: str) -> None:
     x = _bf16_exact(sum(LENS), channels).requires_grad_()
     weight = _bf16_exact(channels, 4).requires_grad_()
     bias = _bf16_exact(channels).requires_grad_()
-    cu = seq_lens_to_cu_seqlens(LENS, device=DEVICE)
-    want = causal_conv1d(x, weight, bias, cu, backend="torch")
-    got = causal_conv1d(x.bfloat16(), weight.bfloat16(), bias.bfloat16(), cu, backend=backend)
+    segs = Segments.from_lengths(LENS, DEVICE)
+    want = causal_conv1d(x, weight, bias, segs, backend="torch")
+    got = causal_conv1d(x.bfloat16(), weight.bfloat16(), bias.bfloat16(), segs, backend=backend)
     _assert_close(got, want, 2e-2)
     w = torch.randn_like(want)
     for g_got, g_want in zip(_grads(got, [x, weight, bias], w), _grads(want, [x, weight, bias], w), strict=True):
@@ -110,9 +110,9 @@ def test_attention_cuda_matches_sdpa(backend: str, kv_heads: int) -> None:
     q = _bf16_exact(t, 8, 128).requires_grad_()
     k = _bf16_exact(t, kv_heads, 128).requires_grad_()
     v = _bf16_exact(t, kv_heads, 128).requires_grad_()
-    cu = seq_lens_to_cu_seqlens(LENS, device=DEVICE)
-    want = varlen_attention(q, k, v, cu, max(LENS), scale=128**-0.5, backend="sdpa")
-    got = varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu, max(LENS), scale=128**-0.5, backend=backend)
+    segs = Segments.from_lengths(LENS, DEVICE)
+    want = varlen_attention(q, k, v, segs, scale=128**-0.5, backend="sdpa")
+    got = varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), segs, scale=128**-0.5, backend=backend)
     _assert_close(got, want, 2e-2)
     w = torch.randn_like(want)
     for g_got, g_want in zip(_grads(got, [q, k, v], w), _grads(want, [q, k, v], w), strict=True):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlm_sft.data.mrope import batch_position_ids
 from vlm_sft.model import build_model, tiny_qwen3_5_config
 from vlm_sft.model.backends import BackendUnavailableError
 from vlm_sft.model.loss import chunked_cross_entropy
+from vlm_sft.model.varlen import Segments
 
 PATCH_ROW = 3 * 2 * 16 * 16
 
@@ -26,10 +28,15 @@ def image_batch(cfg, gen: torch.Generator) -> dict:
     mm[0, 6:10] = 1
     return {
         "input_ids": ids,
+        "position_ids": batch_position_ids(mm, torch.tensor([[1, 4, 4]])),
         "mm_token_type_ids": mm,
         "pixel_values": torch.randn(16, PATCH_ROW, generator=gen),
         "image_grid_thw": torch.tensor([[1, 4, 4]]),
     }
+
+
+def _text_positions(ids: torch.Tensor, seq_lens=None) -> torch.Tensor:
+    return batch_position_ids(torch.zeros_like(ids), None, seq_lens)
 
 
 def _targets(ids: torch.Tensor) -> torch.Tensor:
@@ -47,7 +54,7 @@ def test_text_only_batch_gives_trainable_tower_zero_grads_and_same_loss(cfg):
     torch.manual_seed(0)
     model = build_model(cfg, freeze_vision=False)
     ids = torch.randint(0, 2048, (2, 20))
-    loss_sum, count = model(ids, target_ids=_targets(ids))
+    loss_sum, count = model(ids, position_ids=_text_positions(ids), target_ids=_targets(ids))
     loss_sum.backward()
     vision = list(model.model.visual.named_parameters())
     assert vision and all(p.grad is not None for _, p in vision), [n for n, p in vision if p.grad is None]
@@ -58,8 +65,7 @@ def test_text_only_batch_gives_trainable_tower_zero_grads_and_same_loss(cfg):
     with torch.no_grad():
         lm = model.model.language_model
         pos = torch.arange(20).repeat(2).expand(3, -1)
-        cu = torch.tensor([0, 20, 40], dtype=torch.int32)
-        hidden = lm(lm.embed_tokens(ids.reshape(-1)), pos, cu, 20, model.backends)
+        hidden = lm(lm.embed_tokens(ids.reshape(-1)), pos, Segments.from_lengths([20, 20]), model.backends)
         targets = _targets(ids).reshape(-1)
         expected, _ = chunked_cross_entropy(hidden, model.lm_head.weight, targets, targets >= 0)
     assert float(loss_sum.detach()) == float(expected)
@@ -72,7 +78,7 @@ def test_vision_tower_runs_exactly_once_per_forward(cfg):
     handle = model.model.visual.register_forward_hook(lambda *_: calls.append(1))
     b = image_batch(cfg, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        model(b["input_ids"])
+        model(b["input_ids"], position_ids=_text_positions(b["input_ids"]))
         model(**b)
     handle.remove()
     assert len(calls) == 2
@@ -104,9 +110,14 @@ def test_image_slot_count_mismatch_raises(cfg):
         model(**b)
     b = image_batch(cfg, torch.Generator().manual_seed(0))
     with pytest.raises(ValueError, match=r"4 image slots but no pixel_values"):
-        model(b["input_ids"], mm_token_type_ids=b["mm_token_type_ids"])
+        model(b["input_ids"], position_ids=b["position_ids"], mm_token_type_ids=b["mm_token_type_ids"])
     with pytest.raises(ValueError, match="without mm_token_type_ids"):
-        model(b["input_ids"], pixel_values=b["pixel_values"], image_grid_thw=b["image_grid_thw"])
+        model(
+            b["input_ids"],
+            position_ids=b["position_ids"],
+            pixel_values=b["pixel_values"],
+            image_grid_thw=b["image_grid_thw"],
+        )
     with pytest.raises(ValueError, match="15 patch rows"):
         model(**dict(b, pixel_values=b["pixel_values"][:15]))
 
@@ -114,16 +125,22 @@ def test_image_slot_count_mismatch_raises(cfg):
 def test_seq_lens_must_cover_rows(cfg):
     model = build_model(cfg)
     ids = torch.randint(0, 2048, (2, 8))
+    pos = _text_positions(ids)
     with torch.no_grad():
-        model(ids, seq_lens=torch.tensor([3, 5, 8]))
+        model(ids, position_ids=pos, seq_lens=torch.tensor([3, 5, 8]))
+        model(ids, position_ids=pos, seq_lens=(3, 5, 8))  # host ints, as PackedBatch.model_kwargs passes them
         with pytest.raises(ValueError, match="row by row"):
-            model(ids, seq_lens=torch.tensor([4, 8, 4]))  # the middle segment spans both rows
+            model(ids, position_ids=pos, seq_lens=torch.tensor([4, 8, 4]))  # the middle segment spans both rows
         with pytest.raises(ValueError, match="row by row"):
-            model(ids, seq_lens=torch.tensor([8, 7]))
+            model(ids, position_ids=pos, seq_lens=torch.tensor([8, 7]))
         with pytest.raises(ValueError, match="positive"):
-            model(ids, seq_lens=torch.tensor([8, 0, 8]))
+            model(ids, position_ids=pos, seq_lens=torch.tensor([8, 0, 8]))
         with pytest.raises(ValueError, match=r"\[3, B, L\]"):
             model(ids, position_ids=torch.zeros(3, 16, dtype=torch.long))
+        with pytest.raises(ValueError, match="position_ids is required"):
+            model(ids)
+        with pytest.raises(ValueError, match="host ints"):
+            model(ids, position_ids=pos, seq_lens=torch.tensor([8, 8], device="meta"))
 
 
 def test_missing_requested_backend_raises_at_build(cfg):

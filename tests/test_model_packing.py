@@ -15,6 +15,7 @@ from processors.special_tokens import PAD_TOKEN, tiny_token_id
 from vlm_sft.data.mrope import mrope_position_ids
 from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config
 from vlm_sft.model.packing_check import check_packing
+from vlm_sft.model.varlen import Segments
 
 TOL = 1e-5
 PATCH_ROW = 3 * 2 * 16 * 16
@@ -171,8 +172,8 @@ def test_check_packing_names_the_leaking_op(model, samples, monkeypatch):
 
     real_conv = layers.causal_conv1d
 
-    def leaky_conv(x_TC, weight, bias, cu_seqlens, **kwargs):
-        whole = torch.tensor([0, x_TC.shape[0]], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    def leaky_conv(x_TC, weight, bias, segments, **kwargs):
+        whole = Segments.from_lengths([x_TC.shape[0]], x_TC.device)
         return real_conv(x_TC, weight, bias, whole, **kwargs)
 
     monkeypatch.setattr(layers, "causal_conv1d", leaky_conv)

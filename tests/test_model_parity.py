@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
 
-from vlm_sft.data.mrope import mrope_position_ids
+from vlm_sft.data.mrope import batch_position_ids, mrope_position_ids
 from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config
 from vlm_sft.model.layers import GatedDeltaNet, RMSNorm, RMSNormGated
 
@@ -29,6 +29,10 @@ def pair(cfg):
     ours = build_model(cfg)
     ours.load_state_dict(ref.state_dict())
     return ref, ours
+
+
+def text_positions(ids: torch.Tensor) -> torch.Tensor:
+    return batch_position_ids(torch.zeros_like(ids))
 
 
 def image_batch(cfg, gen: torch.Generator) -> dict:
@@ -101,8 +105,9 @@ def test_logits_equal_transformers_on_text_and_images(cfg, pair):
     theirs = ref(**b, position_ids=pos).logits
     mine = ours(b["input_ids"], position_ids=pos, **{k: v for k, v in b.items() if k != "input_ids"})
     assert float((mine - theirs).abs().max()) <= 1e-5
-    # Without position_ids ours computes the same positions itself.
-    mine = ours(b["input_ids"], **{k: v for k, v in b.items() if k != "input_ids"})
+    # With the positions our data pipeline builds on the CPU (the model never builds them itself).
+    ours_pos = batch_position_ids(b["mm_token_type_ids"], b["image_grid_thw"])
+    mine = ours(b["input_ids"], position_ids=ours_pos, **{k: v for k, v in b.items() if k != "input_ids"})
     assert float((mine - theirs).abs().max()) <= 1e-5
     assert float(theirs.abs().max()) > 0.1  # logits carry signal, the bound is not vacuous
 
@@ -111,7 +116,8 @@ def test_logits_equal_transformers_on_text_and_images(cfg, pair):
 def test_logits_equal_transformers_on_text_rows(pair):
     ref, ours = pair
     ids = torch.randint(0, 2048, (2, 70))
-    assert float((ours(ids) - ref(input_ids=ids).logits).abs().max()) <= 1e-5
+    mine = ours(ids, position_ids=text_positions(ids))
+    assert float((mine - ref(input_ids=ids).logits).abs().max()) <= 1e-5
 
 
 def test_loss_equals_transformers_cross_entropy(cfg, pair):
@@ -120,7 +126,9 @@ def test_loss_equals_transformers_cross_entropy(cfg, pair):
     targets = torch.cat([b["input_ids"][:, 1:], torch.full((1, 1), -100)], dim=1)
     targets[b["mm_token_type_ids"].roll(-1, 1) == 1] = -100
     with torch.no_grad():
-        loss_sum, count = ours(b["input_ids"], target_ids=targets, **{k: v for k, v in b.items() if k != "input_ids"})
+        pos = batch_position_ids(b["mm_token_type_ids"], b["image_grid_thw"])
+        rest = {k: v for k, v in b.items() if k != "input_ids"}
+        loss_sum, count = ours(b["input_ids"], position_ids=pos, target_ids=targets, **rest)
         logits = ref(**b).logits[0]
     expected = torch.nn.functional.cross_entropy(logits, targets[0], ignore_index=-100, reduction="sum")
     assert int(count) == int((targets >= 0).sum())
@@ -146,7 +154,7 @@ def test_checkpoint_round_trip_through_transformers(cfg, tmp_path):
     assert not back.vision_trainable  # frozen by default after loading too
     ids = torch.randint(0, 2048, (1, 16))
     with torch.no_grad():
-        assert torch.equal(back(ids), ours(ids))
+        assert torch.equal(back(ids, position_ids=text_positions(ids)), ours(ids, position_ids=text_positions(ids)))
 
 
 def test_bf16_checkpoint_loads(cfg, pair, tmp_path):
@@ -194,4 +202,5 @@ def test_tied_embeddings_save_and_load(tmp_path):
     assert back.lm_head.weight is back.model.language_model.embed_tokens.weight
     ids = torch.randint(0, 2048, (1, 12))
     with torch.no_grad():
-        assert float((back(ids) - theirs(input_ids=ids).logits).abs().max()) <= 1e-5
+        mine = back(ids, position_ids=text_positions(ids))
+        assert float((mine - theirs(input_ids=ids).logits).abs().max()) <= 1e-5

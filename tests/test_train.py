@@ -69,6 +69,7 @@ def test_final_checkpoint_loads_in_transformers_with_same_logits(one_rank_run):
     from transformers import Qwen3_5ForConditionalGeneration
 
     from processors import load_processor
+    from vlm_sft.data.mrope import batch_position_ids
     from vlm_sft.model import Qwen3_5VLM
 
     final = one_rank_run / "final"
@@ -90,6 +91,7 @@ def test_final_checkpoint_loads_in_transformers_with_same_logits(one_rank_run):
         ).logits
         got = ours(
             inputs["input_ids"],
+            position_ids=batch_position_ids(inputs["mm_token_type_ids"], inputs["image_grid_thw"]),
             pixel_values=inputs["pixel_values"],
             image_grid_thw=inputs["image_grid_thw"],
             mm_token_type_ids=inputs["mm_token_type_ids"],

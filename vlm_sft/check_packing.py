@@ -16,6 +16,7 @@ import sys
 import torch
 
 from vlm_sft.config import RunConfig, config_from_cli
+from vlm_sft.data.mrope import sample_position_ids
 from vlm_sft.data.shift import ShiftedSample
 
 logger = logging.getLogger(__name__)
@@ -24,10 +25,13 @@ DEFAULT_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
 """Max |logit delta| allowed per dtype: fp32 paths agree to ~1e-6 on CPU; bf16 kernels round differently per shape."""
 
 
-def _as_sample_dict(s: ShiftedSample, device: torch.device) -> dict:
+def _as_sample_dict(s: ShiftedSample, device: torch.device, merge: int) -> dict:
+    """The sample's tensors on ``device``; its positions are built here, on the CPU, from CPU metadata."""
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    positions = sample_position_ids(s.mm_token_type_ids, s.image_grid_thw, spatial_merge_size=merge)
     return {
         "input_ids": move(s.input_ids),
+        "position_ids": move(positions),
         "target_ids": move(s.target_ids),
         "loss_mask": move(s.loss_mask),
         "mm_token_type_ids": move(s.mm_token_type_ids),
@@ -60,7 +64,8 @@ def run_packing_check(
     pipeline = build_pipeline(cfg, source, renderer, epochs=1, packing="cat" if cfg.data.packing == "stack" else None)
     worst = None
     for _, pack in zip(range(rows), pipeline, strict=False):
-        samples = [_as_sample_dict(s, device) for s in pack.samples[:max_samples_per_row]]
+        merge = model.config.vision_config.spatial_merge_size
+        samples = [_as_sample_dict(s, device, merge) for s in pack.samples[:max_samples_per_row]]
         autocast = cfg.model.dtype == "bfloat16" and device.type == "cuda"
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             report = check_packing(model, samples, tol=tol)

@@ -26,6 +26,7 @@ from PIL import Image
 from renderers import IMAGE_TOKEN_TYPE, RenderedSample, SampleError, TextBlock, load_image, normalize_messages
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
+from vlm_sft.data.mrope import sample_position_ids
 from vlm_sft.data.pack import Pack
 from vlm_sft.data.shift import shift_sample
 
@@ -412,9 +413,13 @@ def greedy_answer(model: Any, sample: RenderedSample, tokenizer: Any, *, max_new
     pixels = None if mm is None else mm.pixel_values
     grid = None if mm is None else mm.image_grid_thw
     end_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    merge = model.config.vision_config.spatial_merge_size
     new: list[int] = []
     for _ in range(max_new_tokens):
-        logits = model(ids[None], pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types[None])
+        positions = sample_position_ids(types, grid, spatial_merge_size=merge)[:, None]
+        logits = model(
+            ids[None], position_ids=positions, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types[None]
+        )
         nxt = int(logits[0, -1].argmax())
         if nxt == end_id:
             break

@@ -32,12 +32,10 @@ class PackedBatch:
     position_ids: torch.Tensor
     """``[3, B, L]`` int64 MRoPE (temporal, height, width) positions, restarting at 0 in every segment."""
     seq_lens: torch.Tensor | None
-    """``[S]`` int64 (kept on the CPU by ``to()``) segment lengths covering the B*L tokens in row-major order; each row's segments sum to L;
-    padding is its own segment; no zero-length segments. None for padded ``stack`` batches."""
-    cu_seqlens: torch.Tensor | None
-    """``[S + 1]`` int32 ``[0, cumsum(seq_lens)]`` for varlen kernels; None when ``seq_lens`` is None."""
-    max_seqlen: int
-    """Longest segment (the row length for ``stack``)."""
+    """``[S]`` int64 segment lengths covering the B*L tokens in row-major order; each row's segments sum to L;
+    padding is its own segment; no zero-length segments. None for padded ``stack`` batches. Kept on the CPU by
+    ``to()`` and handed to the model as host ints: the model builds its one segment layout (``cu_seqlens`` on the
+    device included) from them, without reading anything back from the device."""
     pixel_values: torch.Tensor | None
     """``[P, D]`` float patch rows of every image, in row then pack order; None when the batch has no image."""
     image_grid_thw: torch.Tensor | None
@@ -78,8 +76,8 @@ class PackedBatch:
     def to(self, device: torch.device | str, non_blocking: bool = True) -> PackedBatch:
         """The same batch on ``device`` (asynchronous copies from pinned memory when ``non_blocking``).
 
-        ``seq_lens`` stays on the CPU: the model reads it as Python ints (segment bounds, ``max_seqlen``), and a
-        device copy would cost a host sync to read back; ``cu_seqlens`` moves for the varlen kernels.
+        ``seq_lens`` stays on the CPU: the model reads it as Python ints, and a device copy would cost a host sync
+        to read back.
         """
         return self._map_tensors(lambda t: t.to(device, non_blocking=non_blocking), skip=("seq_lens",))
 
@@ -95,13 +93,14 @@ class PackedBatch:
     def model_kwargs(self) -> dict[str, torch.Tensor | None]:
         """Keyword arguments of ``Qwen3_5VLM.forward`` (the contract in the module docstring).
 
-        ``stack`` batches pass ``seq_lens=None`` (one segment per row): their padding is on the right, after every
-        real token, so causal attention and the recurrent layers never let a real token see it, and its loss is
-        masked; ``attention_mask`` is informational.
+        ``seq_lens`` goes as a tuple of ints: FSDP moves every tensor argument to the GPU before the forward, and
+        the model would then have to read the lengths back (a host sync). ``stack`` batches pass ``seq_lens=None``
+        (one segment per row): their padding is on the right, after every real token, so causal attention and the
+        recurrent layers never let a real token see it, and its loss is masked; ``attention_mask`` is informational.
         """
         return {
             "input_ids": self.input_ids,
-            "seq_lens": self.seq_lens,
+            "seq_lens": None if self.seq_lens is None else tuple(self.seq_lens.tolist()),
             "position_ids": self.position_ids,
             "pixel_values": self.pixel_values,
             "image_grid_thw": self.image_grid_thw,
@@ -136,8 +135,7 @@ class PackedBatch:
     def check(self, *, positions: bool = True) -> None:
         """Assert every invariant of the contract (for tests and debug runs; raises AssertionError).
 
-        Checks shapes and dtypes; segments cover the batch and never straddle rows; ``cu_seqlens``/``max_seqlen``
-        agree; inside every segment each target is the next input (the last target of a segment is the sample's own
+        Checks shapes and dtypes; segments cover the batch and never straddle rows; inside every segment each target is the next input (the last target of a segment is the sample's own
         final token, which the batch alone cannot show: tests check it against the samples);
         image slots count == sum(prod(grid)) // merge**2 == features the vision tower returns, pixel rows ==
         sum(prod(grid)); no loss on image slots; token counters; and (``positions``) the MRoPE positions.
@@ -150,7 +148,6 @@ class PackedBatch:
         assert len(self.sample_indices) == b
         if self.seq_lens is None:
             assert self.attention_mask is not None and self.attention_mask.shape == (b, length)
-            assert self.cu_seqlens is None and self.max_seqlen == length
             real = self.attention_mask.sum(-1)
             # right padding only: the mask is a prefix of True per row
             assert bool((self.attention_mask == (torch.arange(length) < real[:, None])).all()), "mask not a prefix"
@@ -163,9 +160,6 @@ class PackedBatch:
             ends = sl.cumsum(0)
             row_ends = torch.arange(1, b + 1) * length
             assert bool(torch.isin(row_ends, ends).all()), "a segment straddles two rows"
-            assert self.cu_seqlens is not None and self.cu_seqlens.dtype == torch.int32
-            assert self.cu_seqlens.tolist() == [0, *ends.tolist()]
-            assert self.max_seqlen == int(sl.max())
         segs = self.segment_lengths()
         flat_in, flat_tgt = self.input_ids.reshape(-1), self.target_ids.reshape(-1)
         last = segs.cumsum(0) - 1

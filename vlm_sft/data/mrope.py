@@ -93,3 +93,23 @@ def sample_position_ids(
 ) -> torch.Tensor:
     """``[3, n]`` positions of one sample alone (what ``get_rope_index`` returns for it, batch dim dropped)."""
     return mrope_position_ids(mm_token_type_ids, image_grid_thw, None, spatial_merge_size=spatial_merge_size)
+
+
+def batch_position_ids(
+    mm_token_type_ids: torch.Tensor,
+    image_grid_thw: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | list[int] | None = None,
+    *,
+    spatial_merge_size: int = 2,
+) -> torch.Tensor:
+    """``[3, B, L]`` positions of a ``[B, L]`` batch (the model's ``position_ids``); ``seq_lens`` None: one segment
+    per row. For text-only rows pass ``torch.zeros_like(input_ids)`` as the token types."""
+    if mm_token_type_ids.dim() != 2:
+        raise ValueError(f"mm_token_type_ids must be [B, L], got shape {tuple(mm_token_type_ids.shape)}")
+    rows, length = mm_token_type_ids.shape
+    if seq_lens is None:
+        seq_lens = [length] * rows
+    pos = mrope_position_ids(
+        mm_token_type_ids.reshape(-1), image_grid_thw, seq_lens, spatial_merge_size=spatial_merge_size
+    )
+    return pos.view(3, rows, length)

@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from vlm_sft.model.varlen import bucket_layout, cu_seqlens_to_lengths, gather_rows
+from vlm_sft.model.varlen import Segments, bucket_layout, gather_rows
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +39,12 @@ def varlen_attention(
     q_THD: torch.Tensor,
     k_THD: torch.Tensor,
     v_THD: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
+    segments: Segments,
     *,
     scale: float,
     backend: str,
 ) -> torch.Tensor:
-    """Causal attention within each segment of ``cu_seqlens`` (int32 ``[S + 1]``); returns ``o_THD`` like ``q``."""
+    """Causal attention within each of ``segments``; returns ``o_THD`` like ``q``."""
     if q_THD.dim() != 3 or k_THD.shape != v_THD.shape or k_THD.shape[0] != q_THD.shape[0]:
         raise ValueError(
             f"varlen_attention wants q [T, H, D], k and v [T, H_kv, D]; got {tuple(q_THD.shape)}, "
@@ -53,21 +52,21 @@ def varlen_attention(
         )
     if q_THD.shape[1] % k_THD.shape[1]:
         raise ValueError(f"query heads {q_THD.shape[1]} must be a multiple of kv heads {k_THD.shape[1]}")
+    segments.check_tokens(q_THD.shape[0], "varlen_attention")
     if backend == "sdpa":
-        return _sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale)
+        return _sdpa(q_THD, k_THD, v_THD, segments.lengths, scale)
     if backend == "flash_attn":
-        return _flash_attn(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale)
+        return _flash_attn(q_THD, k_THD, v_THD, segments, scale)
     if backend == "torch_varlen":
-        return _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale)
+        return _torch_varlen(q_THD, k_THD, v_THD, segments, scale)
     raise ValueError(f"unknown attention backend {backend!r}; expected 'flash_attn', 'torch_varlen' or 'sdpa'")
 
 
-def _sdpa(q_THD, k_THD, v_THD, cu_seqlens, scale):
+def _sdpa(q_THD, k_THD, v_THD, lengths: tuple[int, ...], scale):
     total, heads, head_dim = q_THD.shape
     gqa = heads != k_THD.shape[1]
     if total == 0:
         return q_THD.new_zeros(q_THD.shape)
-    lengths = cu_seqlens_to_lengths(cu_seqlens, total)
     if sum(1 for n in lengths if n) == 1:
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
@@ -105,30 +104,30 @@ def _warn_fp32_once() -> None:
     logger.warning("flash attention kernels have no float32 path: float32 q/k/v are computed in bfloat16")
 
 
-def _flash_attn(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale):
+def _flash_attn(q_THD, k_THD, v_THD, segments: Segments, scale):
     from flash_attn import flash_attn_varlen_func  # CUDA-only import, this backend only
 
     q, k, v = _half_precision(q_THD, k_THD, v_THD)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu, longest = segments.cu_seqlens, segments.max_len
     o = flash_attn_varlen_func(
-        q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=0.0, softmax_scale=scale, causal=True
+        q, k, v, cu, cu, longest, longest, dropout_p=0.0, softmax_scale=scale, causal=True
     )  # GQA is native: kv heads divide query heads
     return o.to(q_THD.dtype)
 
 
-def _torch_varlen(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale):
+def _torch_varlen(q_THD, k_THD, v_THD, segments: Segments, scale):
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = _half_precision(q_THD, k_THD, v_THD)
-    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu, longest = segments.cu_seqlens, segments.max_len
     o = varlen_attn(
         q,
         k,
         v,
         cu,
         cu,
-        max_seqlen,
-        max_seqlen,
+        longest,
+        longest,
         scale=scale,
         window_size=(-1, 0),  # (-1, 0) is how this API spells causal
         enable_gqa=q.shape[1] != k.shape[1],

@@ -30,8 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vlm_sft.model.varlen import seq_lens_to_cu_seqlens  # re-exported: callers build cu_seqlens next to backends
-
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLS = ("auto", "flash_attn", "torch_varlen", "sdpa")
@@ -228,5 +226,4 @@ __all__ = [
     "BackendUnavailableError",
     "Backends",
     "resolve_backends",
-    "seq_lens_to_cu_seqlens",
 ]

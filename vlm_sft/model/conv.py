@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_sft.model.varlen import cu_seqlens_to_lengths, position_in_segment
+from vlm_sft.model.varlen import Segments, position_in_segment, segment_index
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -25,7 +25,7 @@ def causal_conv1d(
     x_TC: torch.Tensor,
     weight_CW: torch.Tensor,
     bias_C: torch.Tensor | None,
-    cu_seqlens: torch.Tensor,
+    segments: Segments,
     *,
     backend: str,
     activation: str | None = "silu",
@@ -37,18 +37,18 @@ def causal_conv1d(
         )
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    segments.check_tokens(x_TC.shape[0], "causal_conv1d")
     if backend == "torch":
-        return _torch_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation)
+        return _torch_conv(x_TC, weight_CW, bias_C, segments.lengths, activation)
     if backend == "fla":
-        return _fla_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation)
+        return _fla_conv(x_TC, weight_CW, bias_C, segments, activation)
     if backend == "causal_conv1d":
-        return _cuda_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation)
+        return _cuda_conv(x_TC, weight_CW, bias_C, segments, activation)
     raise ValueError(f"unknown conv backend {backend!r}; expected 'fla', 'causal_conv1d' or 'torch'")
 
 
-def _torch_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation):
+def _torch_conv(x_TC, weight_CW, bias_C, lengths: tuple[int, ...], activation):
     total, width = x_TC.shape[0], weight_CW.shape[1]
-    lengths = cu_seqlens_to_lengths(cu_seqlens, total)
     pos_T = position_in_segment(lengths, x_TC.device)
     x = x_TC.to(weight_CW.dtype)
     y_TC = x * weight_CW[:, width - 1]  # the tap on the token itself always exists
@@ -65,7 +65,7 @@ def _torch_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation):
     return y_TC.to(x_TC.dtype)
 
 
-def _fla_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation):
+def _fla_conv(x_TC, weight_CW, bias_C, segments: Segments, activation):
     from fla.modules.convolution import causal_conv1d as fla_causal_conv1d  # CUDA-only import, this backend only
 
     out = fla_causal_conv1d(
@@ -73,18 +73,16 @@ def _fla_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation):
         weight=weight_CW,
         bias=bias_C,
         activation=activation,
-        cu_seqlens=cu_seqlens.to(device=x_TC.device, dtype=torch.long),
+        cu_seqlens=segments.cu_seqlens_long,
     )
     y = out[0] if isinstance(out, tuple) else out  # (y, final_state) in fla >= 0.2
     return y.squeeze(0)
 
 
-def _cuda_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation):
+def _cuda_conv(x_TC, weight_CW, bias_C, segments: Segments, activation):
     from causal_conv1d import causal_conv1d_fn  # CUDA-only import, this backend only
 
-    total = x_TC.shape[0]
-    lengths = torch.diff(cu_seqlens.to(device=x_TC.device, dtype=torch.int64))
-    seq_idx = torch.repeat_interleave(torch.arange(lengths.numel(), device=x_TC.device), lengths, output_size=total)
+    seq_idx = segment_index(segments.lengths, x_TC.device)
     # causal-conv1d takes x [B, C, T]; with seq_idx it needs the channel-last memory layout, which a transposed
     # [1, T, C] tensor has (stride 1 along C).
     x_1CT = x_TC.contiguous().unsqueeze(0).transpose(1, 2)
@@ -92,7 +90,7 @@ def _cuda_conv(x_TC, weight_CW, bias_C, cu_seqlens, activation):
         x_1CT,
         weight_CW.contiguous(),
         bias_C,
-        seq_idx=seq_idx.to(torch.int32).unsqueeze(0),
+        seq_idx=seq_idx.unsqueeze(0),
         activation=activation,
     )
     return y_1CT.transpose(1, 2).squeeze(0)

@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from vlm_sft.model.varlen import cu_seqlens_to_lengths, gather_rows, grouped_chunk_layout
+from vlm_sft.model.varlen import Segments, gather_rows, grouped_chunk_layout
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def gated_delta_rule(
     v_THV: torch.Tensor,
     g_TH: torch.Tensor,
     beta_TH: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    segments: Segments,
     *,
     backend: str,
     use_qk_l2norm: bool = True,
@@ -55,14 +55,15 @@ def gated_delta_rule(
 
     ``q``/``k`` carry as many heads as ``v`` (transformers repeats the key heads to the value-head count first; if
     fewer are given they are repeated here the same way). ``g`` is the log decay (<= 0), ``beta`` is already
-    sigmoid-ed; ``cu_seqlens`` int32 ``[S + 1]``. ``chunk_size`` only applies to the torch backend.
+    sigmoid-ed. ``chunk_size`` only applies to the torch backend.
     """
     _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
+    segments.check_tokens(v_THV.shape[0], "gated_delta_rule")
     q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
     if backend == "torch":
-        return _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm, chunk_size)
+        return _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments.lengths, use_qk_l2norm, chunk_size)
     if backend == "fla":
-        return _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm)
+        return _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments, use_qk_l2norm)
     raise ValueError(f"unknown linear-attention backend {backend!r}; expected 'fla' or 'torch'")
 
 
@@ -72,7 +73,7 @@ def naive_recurrent_gated_delta_rule(
     v_THV: torch.Tensor,
     g_TH: torch.Tensor,
     beta_TH: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    segments: Segments,
     *,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
@@ -81,13 +82,13 @@ def naive_recurrent_gated_delta_rule(
     Slow by design: it is the definition the chunked kernels are tested against, in float32.
     """
     _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
+    segments.check_tokens(v_THV.shape[0], "naive_recurrent_gated_delta_rule")
     q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
     q, k, v, g, beta = _prepare(q_THK, k_THK, v_THV, g_TH, beta_TH, use_qk_l2norm)
     num_heads, k_dim, v_dim = v.shape[1], k.shape[-1], v.shape[-1]
     outputs = []
-    cu = cu_seqlens_to_lengths(cu_seqlens, q.shape[0])
     start = 0
-    for length in cu:
+    for length in segments.lengths:
         state = v.new_zeros(num_heads, k_dim, v_dim)
         for t in range(start, start + length):
             state = state * g[t].exp()[:, None, None]
@@ -147,12 +148,11 @@ GROUP_FIXED_COST = 12_000
 per chunk: about what a group of ten 30-token chunks costs on a CPU. Only the speed depends on it, never the result."""
 
 
-def _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm: bool, chunk_size: int):
+def _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, lengths: tuple[int, ...], use_qk_l2norm: bool, chunk_size: int):
     total, num_heads, v_dim = v_THV.shape
     k_dim = q_THK.shape[-1]
     if total == 0:
         return v_THV.new_zeros(v_THV.shape)
-    lengths = cu_seqlens_to_lengths(cu_seqlens, total)
     # Segments longer than a chunk share one chunked scan; shorter ones are bucketed by length into single-chunk
     # groups, each padded only to its own longest member (any chunk size gives the same result).
     layout = grouped_chunk_layout(lengths, chunk_size, torch.device(v_THV.device), GROUP_LINEAR_COST, GROUP_FIXED_COST)
@@ -241,7 +241,7 @@ def _chunked_scan(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC, step_sizes: tuple[int
     return torch.cat(out_steps) if len(out_steps) > 1 else out_steps[0]
 
 
-def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm: bool):
+def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments: Segments, use_qk_l2norm: bool):
     """flash-linear-attention's varlen chunked kernel: inputs ``[1, T, H, *]`` with ``cu_seqlens`` (no fp32 support)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # CUDA-only import: only reached on that backend
 
@@ -260,7 +260,7 @@ def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, use_qk_l2norm: 
         initial_state=None,
         output_final_state=False,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
-        cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
+        cu_seqlens=segments.cu_seqlens_long,
     )
     return o.squeeze(0).to(out_dtype)
 

@@ -1,9 +1,9 @@
-"""Qwen3.5 text decoder layers on the flattened varlen layout: every token mixer honours ``cu_seqlens``.
+"""Qwen3.5 text decoder layers on the flattened varlen layout: every token mixer honours the segment boundaries.
 
 Parameter names, shapes and the math follow transformers' ``modeling_qwen3_5`` (``Qwen3_5RMSNorm``,
 ``Qwen3_5RMSNormGated``, ``Qwen3_5MLP``, ``Qwen3_5GatedDeltaNet``, ``Qwen3_5Attention``, ``Qwen3_5DecoderLayer``)
 so that a Hugging Face state dict loads unchanged. What differs is the layout: all rows of a batch are flattened
-into one token axis T and the segments (samples, padding) are described by ``cu_seqlens``; the only ops that mix
+into one token axis T and the segments (samples, padding) are described by one ``Segments``; the only ops that mix
 tokens (full attention, the GatedDeltaNet recurrence and its short causal conv) are the registry's varlen ops,
 which never look across a segment start. Everything else is per token.
 
@@ -25,6 +25,7 @@ from vlm_sft.model.backends import Backends
 from vlm_sft.model.conv import causal_conv1d
 from vlm_sft.model.gdn import gated_delta_rule
 from vlm_sft.model.rotary import apply_partial_rotary
+from vlm_sft.model.varlen import Segments
 
 
 class RMSNorm(nn.Module):
@@ -87,8 +88,8 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
 
-    def forward(self, x_TC: torch.Tensor, cu_seqlens: torch.Tensor, backend: str) -> torch.Tensor:
-        return causal_conv1d(x_TC, self.weight.squeeze(1), self.bias, cu_seqlens, backend=backend, activation="silu")
+    def forward(self, x_TC: torch.Tensor, segments: Segments, backend: str) -> torch.Tensor:
+        return causal_conv1d(x_TC, self.weight.squeeze(1), self.bias, segments, backend=backend, activation="silu")
 
 
 class GatedDeltaNet(nn.Module):
@@ -126,9 +127,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor, backends: Backends) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, segments: Segments, backends: Backends) -> torch.Tensor:
         T = x_TD.shape[0]
-        qkv_TC = self.conv1d(self.in_proj_qkv(x_TD), cu_seqlens, backends.conv)
+        qkv_TC = self.conv1d(self.in_proj_qkv(x_TD), segments, backends.conv)
         q_TC, k_TC, v_TC = torch.split(qkv_TC, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q_THK = q_TC.reshape(T, self.num_k_heads, self.head_k_dim)
         k_THK = k_TC.reshape(T, self.num_k_heads, self.head_k_dim)
@@ -141,7 +142,7 @@ class GatedDeltaNet(nn.Module):
         # Log decay in float32: exp(A_log) of a bf16 A_log would be coarse, and fp16 overflows.
         g_TH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)
         o_THV = gated_delta_rule(
-            q_THK, k_THK, v_THV, g_TH, beta_TH, cu_seqlens, backend=backends.linear_attention, use_qk_l2norm=True
+            q_THK, k_THK, v_THV, g_TH, beta_TH, segments, backend=backends.linear_attention, use_qk_l2norm=True
         )
         z_THV = self.in_proj_z(x_TD).reshape(T, self.num_v_heads, self.head_v_dim)
         o_THV = self.norm(o_THV.reshape(-1, self.head_v_dim), z_THV.reshape(-1, self.head_v_dim))
@@ -175,8 +176,7 @@ class GatedAttention(nn.Module):
         x_TD: torch.Tensor,
         cos_TR: torch.Tensor,
         sin_TR: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
+        segments: Segments,
         backends: Backends,
     ) -> torch.Tensor:
         T = x_TD.shape[0]
@@ -188,9 +188,7 @@ class GatedAttention(nn.Module):
         v_THD = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
         # Under autocast the rotated q/k come back in the projection dtype; give the kernel one dtype.
         k_THD, v_THD = k_THD.to(q_THD.dtype), v_THD.to(q_THD.dtype)
-        o_THD = varlen_attention(
-            q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, scale=self.scaling, backend=backends.attention
-        )
+        o_THD = varlen_attention(q_THD, k_THD, v_THD, segments, scale=self.scaling, backend=backends.attention)
         o_TD = o_THD.reshape(T, self.num_heads * self.head_dim) * torch.sigmoid(gate_THD.reshape(T, -1))
         return self.o_proj(o_TD)
 
@@ -216,15 +214,14 @@ class DecoderLayer(nn.Module):
         x_TD: torch.Tensor,
         cos_TR: torch.Tensor,
         sin_TR: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
+        segments: Segments,
         backends: Backends,
     ) -> torch.Tensor:
         h_TD = self.input_layernorm(x_TD)
         if self.layer_type == "linear_attention":
-            h_TD = self.linear_attn(h_TD, cu_seqlens, backends)
+            h_TD = self.linear_attn(h_TD, segments, backends)
         else:
-            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, cu_seqlens, max_seqlen, backends)
+            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends)
         x_TD = x_TD + h_TD
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 

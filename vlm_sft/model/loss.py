@@ -13,13 +13,31 @@ Backends:
   second pass: the stored gradients are scaled in place and handed over).
 - ``"fla_fused"`` (CUDA): flash-linear-attention's fused linear cross-entropy (the same scheme in triton).
 
+``token_scores`` is the eval side of the same scheme: per-token loss and argmax, one chunk of fp32 logits at a time
+(eval and the notebooks' teacher-forced scoring both use it, through ``Qwen3_5VLM.forward(..., scores=True)``).
+
 Legend: T = total tokens of the flattened batch, D = hidden size, V = vocabulary size, N = tokens in one chunk.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+DEFAULT_CHUNK = 1024
+"""Tokens per chunk: at the real vocabulary (248,320) one fp32 chunk of logits is ~1 GB."""
+
+
+@dataclass(frozen=True)
+class TokenScores:
+    """Teacher-forced per-token results of one forward (what eval and the notebooks need, without full logits)."""
+
+    nll: Tensor
+    """fp32 ``[B, L]``: cross-entropy of each target where the loss mask is True, 0 elsewhere."""
+    argmax: Tensor
+    """int64 ``[B, L]``: the most likely next token at every position."""
 
 
 def chunked_cross_entropy(
@@ -28,7 +46,7 @@ def chunked_cross_entropy(
     target_ids_T: Tensor,
     loss_mask_T: Tensor,
     *,
-    chunk_size: int = 1024,
+    chunk_size: int = DEFAULT_CHUNK,
     backend: str = "chunked",
 ) -> tuple[Tensor, Tensor]:
     """Sum of token cross-entropies where ``loss_mask_T`` is True, and the number of those tokens (fp32 scalars).
@@ -109,6 +127,42 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = grad_h_TD.mul_(grad_loss.to(grad_h_TD.dtype)) if grad_h_TD is not None else None
         dw = grad_w_VD.mul_(grad_loss.to(grad_w_VD.dtype)).to(ctx.weight_dtype) if grad_w_VD is not None else None
         return dh, dw, None, None, None
+
+
+@torch.no_grad()
+def token_scores(
+    hidden_TD: Tensor,
+    lm_head_weight_VD: Tensor,
+    target_ids_T: Tensor,
+    loss_mask_T: Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> tuple[Tensor, Tensor]:
+    """Per-token cross-entropy (fp32 ``[T]``, 0 where ``loss_mask_T`` is False) and argmax (int64 ``[T]``).
+
+    Walks the tokens in chunks like the training loss: one ``[chunk, V]`` fp32 buffer alive at a time, reused in
+    place for ``exp``, so eval fits the training loss's memory budget at any sequence length.
+    """
+    if hidden_TD.dim() != 2 or lm_head_weight_VD.dim() != 2 or hidden_TD.shape[1] != lm_head_weight_VD.shape[1]:
+        raise ValueError(
+            f"token_scores wants hidden [T, D] and weight [V, D]; got {tuple(hidden_TD.shape)}, "
+            f"{tuple(lm_head_weight_VD.shape)}"
+        )
+    total = hidden_TD.shape[0]
+    mask = loss_mask_T.to(torch.bool)
+    targets = torch.where(mask, target_ids_T, torch.zeros_like(target_ids_T)).long()
+    nll_T = torch.zeros(total, dtype=torch.float32, device=hidden_TD.device)
+    argmax_T = torch.zeros(total, dtype=torch.long, device=hidden_TD.device)
+    for start in range(0, total, chunk_size):
+        stop = min(start + chunk_size, total)
+        logits_NV = (hidden_TD[start:stop] @ lm_head_weight_VD.T).float()
+        argmax_T[start:stop] = logits_NV.argmax(dim=1)
+        target_logit_N = logits_NV.gather(1, targets[start:stop, None]).squeeze(1)
+        max_N = logits_NV.amax(dim=1)
+        lse_N = max_N + logits_NV.sub_(max_N[:, None]).exp_().sum(dim=1).log()
+        nll_T[start:stop] = torch.where(mask[start:stop], lse_N - target_logit_N, 0.0)
+        del logits_NV
+    return nll_T, argmax_T
 
 
 def _fla_fused(hidden_TD: Tensor, weight_VD: Tensor, target_ids_T: Tensor, mask_T: Tensor) -> Tensor:

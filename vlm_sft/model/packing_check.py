@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vlm_sft.data.mrope import mrope_position_ids
 from vlm_sft.model.layers import MLP, GatedAttention, GatedDeltaNet, ShortConv
 from vlm_sft.model.vlm import Qwen3_5VLM
 
@@ -33,7 +32,7 @@ OP_CLASSES: dict[str, type[nn.Module]] = {
 """Token-level op classes whose outputs (first dim = tokens) are compared segment by segment."""
 
 SampleDict = Mapping[str, torch.Tensor | None]
-"""One sample: ``input_ids`` [T], ``target_ids`` [T], ``loss_mask`` [T] (required); ``position_ids`` [3, T],
+"""One sample: ``input_ids`` [T], ``target_ids`` [T], ``loss_mask`` [T], ``position_ids`` [3, T] (required);
 ``mm_token_type_ids`` [T], ``pixel_values`` [P, D], ``image_grid_thw`` [N, 3] (optional)."""
 
 
@@ -91,10 +90,7 @@ def _sample_inputs(model: Qwen3_5VLM, s: SampleDict, i: int) -> dict[str, torch.
     mm = torch.zeros(T, dtype=torch.long, device=ids.device) if mm is None else mm
     pos = s.get("position_ids")
     if pos is None:
-        merge = model.config.vision_config.spatial_merge_size
-        pos = mrope_position_ids(mm.cpu(), s.get("image_grid_thw"), torch.tensor([T]), spatial_merge_size=merge).to(
-            ids.device
-        )
+        raise ValueError(f"sample {i}: missing 'position_ids' (build them on the CPU with sample_position_ids)")
     if (s.get("pixel_values") is None) != (s.get("image_grid_thw") is None):
         raise ValueError(f"sample {i}: pixel_values and image_grid_thw must be given together")
     return {
@@ -182,13 +178,12 @@ def check_packing(
         raise TypeError(f"check_packing needs a Qwen3_5VLM (or a module holding one), got {type(model).__name__}")
     parts = [_sample_inputs(vlm, s, i) for i, s in enumerate(samples)]
     lengths = [int(p["input_ids"].shape[0]) for p in parts]
-    device = parts[0]["input_ids"].device
     params_named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in params_named]
 
     recorder = _OpRecorder(model)
     try:
-        packed = _as_row(parts, torch.tensor(lengths, device=device))
+        packed = _as_row(parts, tuple(lengths))
         packed_logits, packed_grads = _forward(model, packed, params)
         packed_ops = recorder.take()  # the grad forward's outputs equal the logits forward's
         alone = []

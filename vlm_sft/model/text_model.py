@@ -17,6 +17,7 @@ from transformers import Qwen3_5TextConfig
 from vlm_sft.model.backends import Backends
 from vlm_sft.model.layers import DecoderLayer, RMSNorm
 from vlm_sft.model.rotary import MRopeRotary
+from vlm_sft.model.varlen import Segments
 
 
 class Qwen3_5TextDecoder(nn.Module):
@@ -37,15 +38,14 @@ class Qwen3_5TextDecoder(nn.Module):
         self,
         embeds_TD: torch.Tensor,
         position_ids_3T: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        max_seqlen: int,
+        segments: Segments,
         backends: Backends,
     ) -> torch.Tensor:
         cos_TR, sin_TR = self.rotary_emb(position_ids_3T)
         h_TD = embeds_TD
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h_TD = checkpoint(layer, h_TD, cos_TR, sin_TR, cu_seqlens, max_seqlen, backends, use_reentrant=False)
+                h_TD = checkpoint(layer, h_TD, cos_TR, sin_TR, segments, backends, use_reentrant=False)
             else:
-                h_TD = layer(h_TD, cos_TR, sin_TR, cu_seqlens, max_seqlen, backends)
+                h_TD = layer(h_TD, cos_TR, sin_TR, segments, backends)
         return self.norm(h_TD)

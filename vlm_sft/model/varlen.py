@@ -1,9 +1,10 @@
-"""Segment bookkeeping for packed (variable-length) batches: ``cu_seqlens`` and the index maps the pure-torch kernels use.
+"""Segment bookkeeping for packed (variable-length) batches: ``Segments`` and the index maps the pure-torch kernels use.
 
 A packed row holds several samples (segments) back to back; the flattened batch is ``T`` tokens long. Every kernel of
-the text model takes the segment boundaries as ``cu_seqlens``, the int32 prefix sums ``[0, l0, l0 + l1, ..., T]``
-(the convention of flash-attn, flash-linear-attention and torch's varlen attention), and must keep each token's output
-independent of every other segment.
+the text model takes the segment boundaries as one ``Segments`` object, built once per forward from host integers:
+the lengths as Python ints and ``cu_seqlens``, the int32 prefix sums ``[0, l0, l0 + l1, ..., T]`` on the device (the
+convention of flash-attn, flash-linear-attention and torch's varlen attention). Every kernel must keep each token's
+output independent of every other segment.
 
 The pure-torch kernels (GatedDeltaNet, conv, SDPA attention) batch all segments into one computation instead of
 looping over them in Python: they gather tokens into a padded layout (each segment padded to whole chunks or to a
@@ -17,42 +18,67 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 
-def seq_lens_to_cu_seqlens(
-    seq_lens: torch.Tensor | Sequence[int], *, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Turn segment lengths ``[l0, l1, ...]`` into int32 ``cu_seqlens`` ``[0, l0, l0 + l1, ..., T]`` (``[S + 1]``).
+@dataclass(frozen=True)
+class Segments:
+    """The segment layout of one forward's flattened tokens, built once per micro-batch from host integers.
 
-    ``seq_lens`` is the packer's per-row contract (a 1-D integer tensor or list whose sum is the row length); the
-    kernels want prefix sums because every fast varlen kernel (flash-attn, fla, torch varlen attention) does. Zero
-    lengths are allowed (they make an empty segment); negative lengths raise.
+    Every varlen op needs the same two views of the boundaries: the lengths as Python ints (the pure-torch kernels
+    build their padded layouts from them, and ``max_len`` sizes the flash kernels) and ``cu_seqlens`` on the compute
+    device (what flash-attn, fla and torch's varlen attention read). Both are made here, once, from lengths that live
+    on the host, so no layer ever reads a device tensor back (a device-to-host copy is a sync on CUDA). The object
+    holds no tensor that FSDP's input hook would move, apart from ``cu_seqlens``, which is already where it belongs.
     """
-    lens = torch.as_tensor(seq_lens, device=device)
-    if lens.dim() != 1:
-        raise ValueError(f"seq_lens must be 1-D (one packed row), got shape {tuple(lens.shape)}")
-    if lens.is_floating_point() or lens.dtype == torch.bool:
-        raise ValueError(f"seq_lens must hold integers, got dtype {lens.dtype}")
-    if lens.numel() and bool((lens < 0).any()):
-        raise ValueError(f"seq_lens must be non-negative, got {lens.tolist()}")
-    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32, device=lens.device)
-    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
-    return cu
 
+    lengths: tuple[int, ...]
+    """Segment lengths in token order (host ints; zero-length segments are allowed and empty)."""
+    cu_seqlens: torch.Tensor
+    """int32 ``[S + 1]``: ``[0, l0, l0 + l1, ..., T]`` on the compute device (flash-attn, torch varlen attention)."""
+    cu_seqlens_long: torch.Tensor
+    """The same as int64, for flash-linear-attention. Its kernels cache the chunk indices they derive (with a host
+    sync) by the identity of this tensor, so every layer must get this very object, never a fresh conversion."""
+    max_len: int
+    """Longest segment (0 when there is none)."""
 
-def cu_seqlens_to_lengths(cu_seqlens: torch.Tensor, total_tokens: int) -> tuple[int, ...]:
-    """Segment lengths as Python ints, checked against the token count (one host sync; the layouts need ints)."""
-    cu = cu_seqlens.tolist()
-    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total_tokens:
-        raise ValueError(f"cu_seqlens must run from 0 to the token count {total_tokens}, got {cu}")
-    lengths = tuple(b - a for a, b in itertools.pairwise(cu))
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {cu}")
-    return lengths
+    @property
+    def total(self) -> int:
+        """``T``: tokens covered by the segments."""
+        return sum(self.lengths)
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor | Sequence[int], device: torch.device | str | None = None) -> Segments:
+        """Segments of the given lengths (a 1-D integer CPU tensor or a sequence of ints) with ``cu_seqlens`` on
+        ``device`` (default CPU). A tensor on another device is refused: reading it would cost a host sync."""
+        if isinstance(lengths, torch.Tensor):
+            if lengths.device.type != "cpu":
+                raise ValueError(
+                    f"segment lengths are on {lengths.device}: pass them as host ints (a CPU tensor or a list); "
+                    "reading a device tensor back costs a host sync in every forward"
+                )
+            if lengths.dim() != 1:
+                raise ValueError(f"seq_lens must be 1-D (one length per segment), got shape {tuple(lengths.shape)}")
+            if lengths.is_floating_point() or lengths.dtype == torch.bool:
+                raise ValueError(f"seq_lens must hold integers, got dtype {lengths.dtype}")
+            lengths = lengths.tolist()
+        try:
+            values = tuple(operator.index(n) for n in lengths)
+        except TypeError:
+            raise ValueError(f"seq_lens must be a 1-D sequence of integers, got {lengths!r}") from None
+        if any(n < 0 for n in values):
+            raise ValueError(f"seq_lens must be non-negative, got {list(values)}")
+        cu = torch.tensor([0, *itertools.accumulate(values)], dtype=torch.int64).to(device or "cpu")
+        return cls(lengths=values, cu_seqlens=cu.int(), cu_seqlens_long=cu, max_len=max(values, default=0))
+
+    def check_tokens(self, total_tokens: int, what: str) -> None:
+        """Raises when the segments do not cover exactly ``total_tokens`` (host ints only: no sync)."""
+        if self.total != total_tokens:
+            raise ValueError(f"{what}: the segments cover {self.total} tokens but the input has {total_tokens}")
 
 
 @dataclass(frozen=True)
@@ -290,6 +316,17 @@ def bucket_layout(
     return BucketLayout(
         buckets=tuple(buckets), slot_to_token=slot_to_token.to(device), token_to_slot=token_to_slot.to(device)
     )
+
+
+def segment_index(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 ``[T]``: the index of each token's segment (causal-conv1d's ``seq_idx``)."""
+    return _segment_index(lengths, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _segment_index(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.int64))
+    return seg.to(device=device, dtype=torch.int32)
 
 
 def position_in_segment(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:

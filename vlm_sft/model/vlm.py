@@ -14,8 +14,10 @@ Legend: B = rows, L = row length, T = B * L tokens, D = hidden size, V = vocab, 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,12 +27,12 @@ from transformers import Qwen3_5Config
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
 from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
-from vlm_sft.data.mrope import mrope_position_ids
-from vlm_sft.model.backends import Backends, resolve_backends, seq_lens_to_cu_seqlens
+from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.checkpoint_io import load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
 from vlm_sft.model.layers import init_text_weights
-from vlm_sft.model.loss import chunked_cross_entropy
+from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
 from vlm_sft.model.text_model import Qwen3_5TextDecoder
+from vlm_sft.model.varlen import Segments
 
 logger = logging.getLogger(__name__)
 
@@ -116,54 +118,50 @@ class Qwen3_5VLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         *,
-        seq_lens: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | Sequence[int] | None = None,
         pixel_values: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         target_ids: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
-    ) -> torch.Tensor | LossOutput:
-        """Logits ``[B, L, V]``, or ``LossOutput(loss_sum, num_tokens)`` when ``target_ids`` is given.
+        scores: bool = False,
+    ) -> torch.Tensor | LossOutput | TokenScores:
+        """Logits ``[B, L, V]``; with ``target_ids``, ``LossOutput(loss_sum, num_tokens)``, or with ``scores=True``
+        ``TokenScores`` (per-token loss and argmax, chunk by chunk: never the whole fp32 logits).
 
-        ``seq_lens``: 1-D segment lengths covering the B * L tokens row-major (each row's segments sum to L;
-        padding is its own segment); None means one segment per row. ``position_ids``: ``[3, B, L]`` MRoPE
-        positions, numbered per segment; None computes them per segment like transformers' ``get_rope_index``.
-        ``pixel_values`` ``[P, C*T*p*p]`` and ``image_grid_thw`` ``[N, 3]``: the images in the order of their slots
-        in the flattened tokens; slots are where ``mm_token_type_ids == 1``. ``loss_mask`` (default:
+        ``position_ids`` (required): ``[3, B, L]`` MRoPE positions numbered per segment, built on the CPU by the data
+        pipeline (``PackedBatch.position_ids``; ``vlm_sft.data.mrope.sample_position_ids`` for one sample): the model
+        never rebuilds them. ``seq_lens``: segment lengths covering the B * L tokens row-major (each row's segments
+        sum to L; padding is its own segment) as host ints (a CPU tensor or a sequence); None means one segment per
+        row. ``pixel_values`` ``[P, C*T*p*p]`` and ``image_grid_thw`` ``[N, 3]``: the images in the order of their
+        slots in the flattened tokens; slots are where ``mm_token_type_ids == 1``. ``loss_mask`` (default:
         ``target_ids >= 0``) selects the tokens of the loss.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
         B, L = input_ids.shape
         T = B * L
-        seq_lens = self._check_seq_lens(seq_lens, B, L)
-        device = input_ids.device
-        cu_seqlens = seq_lens_to_cu_seqlens(seq_lens.to(device))
-        max_seqlen = int(seq_lens.max())
-
-        mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(T)
+        segments = self._segments(seq_lens, B, L, input_ids.device)
+        if position_ids is None:
+            raise ValueError(
+                "position_ids is required: MRoPE positions are built on the CPU by the data pipeline "
+                "(PackedBatch.position_ids, or vlm_sft.data.mrope.sample_position_ids for one sample), never here"
+            )
+        if tuple(position_ids.shape) != (3, B, L):
+            raise ValueError(f"position_ids must be [3, B, L] = [3, {B}, {L}], got {tuple(position_ids.shape)}")
         if mm_token_type_ids is not None and mm_token_type_ids.shape != input_ids.shape:
             raise ValueError(
                 f"mm_token_type_ids shape {tuple(mm_token_type_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
             )
+        mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(T)
         language_model = self.model.language_model
         embeds_TD = language_model.embed_tokens(input_ids.reshape(T))
         embeds_TD = self._merge_vision(embeds_TD, pixel_values, image_grid_thw, mm_T)
-
-        if position_ids is None:
-            types_T = mm_T if mm_T is not None else torch.zeros(T, dtype=torch.long, device=device)
-            merge = self.config.vision_config.spatial_merge_size
-            position_ids_3T = mrope_position_ids(types_T.cpu(), image_grid_thw, seq_lens, spatial_merge_size=merge).to(
-                device
-            )
-        else:
-            if tuple(position_ids.shape) != (3, B, L):
-                raise ValueError(f"position_ids must be [3, B, L] = [3, {B}, {L}], got {tuple(position_ids.shape)}")
-            position_ids_3T = position_ids.reshape(3, T)
-
-        hidden_TD = language_model(embeds_TD, position_ids_3T, cu_seqlens, max_seqlen, self.backends)
+        hidden_TD = language_model(embeds_TD, position_ids.reshape(3, T), segments, self.backends)
         if target_ids is None:
+            if scores:
+                raise ValueError("scores=True needs target_ids (and optionally loss_mask)")
             return self.lm_head(hidden_TD).view(B, L, -1)
         if target_ids.shape != input_ids.shape:
             raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != input_ids shape {tuple(input_ids.shape)}")
@@ -171,28 +169,28 @@ class Qwen3_5VLM(nn.Module):
             loss_mask = target_ids >= 0
         elif loss_mask.shape != input_ids.shape:
             raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+        if scores:
+            nll_T, argmax_T = token_scores(hidden_TD, self.lm_head.weight, target_ids.reshape(T), loss_mask.reshape(T))
+            return TokenScores(nll=nll_T.view(B, L), argmax=argmax_T.view(B, L))
         loss_sum, count = chunked_cross_entropy(
             hidden_TD, self.lm_head.weight, target_ids.reshape(T), loss_mask.reshape(T), backend=self.backends.loss
         )
         return LossOutput(loss_sum=loss_sum, num_tokens=count)
 
     @staticmethod
-    def _check_seq_lens(seq_lens: torch.Tensor | None, B: int, L: int) -> torch.Tensor:
-        """CPU int64 segment lengths, checked to cover every row exactly (a segment never spans two rows)."""
-        if seq_lens is None:
-            return torch.full((B,), L, dtype=torch.long)
-        seq_lens = seq_lens.detach().to("cpu", torch.long)
-        if seq_lens.dim() != 1 or seq_lens.numel() == 0:
-            raise ValueError(f"seq_lens must be a non-empty 1-D tensor of segment lengths, got {tuple(seq_lens.shape)}")
-        if bool((seq_lens <= 0).any()):
-            raise ValueError(f"seq_lens must be positive, got {seq_lens.tolist()}")
-        ends = set(torch.cumsum(seq_lens, 0).tolist())
-        if int(seq_lens.sum()) != B * L or not all(r * L in ends for r in range(1, B + 1)):
+    def _segments(seq_lens: torch.Tensor | Sequence[int] | None, B: int, L: int, device: torch.device) -> Segments:
+        """The forward's one segment layout, from host ints, checked to cover every row exactly (no device sync)."""
+        segments = Segments.from_lengths((L,) * B if seq_lens is None else seq_lens, device)
+        lengths = segments.lengths
+        if not lengths or min(lengths) <= 0:
+            raise ValueError(f"seq_lens must be non-empty and positive, got {list(lengths)}")
+        ends = set(itertools.accumulate(lengths))
+        if segments.total != B * L or not all(r * L in ends for r in range(1, B + 1)):
             raise ValueError(
-                f"seq_lens {seq_lens.tolist()} must cover the {B} rows of length {L} row by row "
-                f"(sum {int(seq_lens.sum())} vs {B * L}; every row boundary must be a segment boundary)"
+                f"seq_lens {list(lengths)} must cover the {B} rows of length {L} row by row "
+                f"(sum {segments.total} vs {B * L}; every row boundary must be a segment boundary)"
             )
-        return seq_lens
+        return segments
 
     def _merge_vision(
         self,
@@ -201,30 +199,27 @@ class Qwen3_5VLM(nn.Module):
         image_grid_thw: torch.Tensor | None,
         mm_T: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Runs the vision tower once (a dummy image when there is none) and scatters features into image slots."""
-        visual = self.model.visual
-        vcfg = self.config.vision_config
-        n_slots = 0
-        if mm_T is not None:
-            bad = (mm_T != TEXT_TOKEN_TYPE) & (mm_T != IMAGE_TOKEN_TYPE)
-            if bool(bad.any()):
-                raise ValueError(
-                    f"mm_token_type_ids holds values {sorted(set(mm_T[bad].tolist()))}: only 0 (text) and 1 (image) "
-                    "are supported (video input is rejected)"
-                )
-            n_slots = int((mm_T == IMAGE_TOKEN_TYPE).sum())
+        """Runs the vision tower once (a dummy image when there is none) and scatters features into image slots.
+
+        The checks read the device once (slot count, unsupported token types and the grids' patch count together)
+        and the slot positions once: two host syncs per forward, whatever the number of layers.
+        """
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw must be given together")
+        visual = self.model.visual
         dummy = pixel_values is None
         if dummy:
-            m = vcfg.spatial_merge_size
-            image_grid_thw = torch.tensor([[1, m, m]], dtype=torch.long, device=embeds_TD.device)
-            row = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
-            pixel_values = torch.zeros(m * m, row, device=embeds_TD.device)
-        elif pixel_values.shape[0] != int(image_grid_thw.prod(-1).sum()):
+            image_grid_thw, pixel_values = self._dummy_image(embeds_TD.device)
+        n_slots, n_bad, n_patches = self._count_inputs(mm_T, image_grid_thw)
+        if n_bad:
+            raise ValueError(
+                f"mm_token_type_ids holds {n_bad} values other than 0 (text) and 1 (image): only those are supported "
+                "(video input is rejected)"
+            )
+        if pixel_values.shape[0] != n_patches:
             raise ValueError(
                 f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_thw {image_grid_thw.tolist()} "
-                f"needs {int(image_grid_thw.prod(-1).sum())}"
+                f"needs {n_patches}"
             )
         pixel_values = pixel_values.to(visual.dtype)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.vision_trainable):
@@ -246,6 +241,24 @@ class Qwen3_5VLM(nn.Module):
             )
         slots = (mm_T == IMAGE_TOKEN_TYPE).nonzero().squeeze(1)
         return embeds_TD.index_put((slots,), feats_ND)
+
+    def _dummy_image(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The smallest image the tower accepts (one merged token of zero pixels), for micro-batches without one."""
+        vcfg = self.config.vision_config
+        m = vcfg.spatial_merge_size
+        row = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+        return torch.tensor([[1, m, m]], dtype=torch.long, device=device), torch.zeros(m * m, row, device=device)
+
+    @staticmethod
+    def _count_inputs(mm_T: torch.Tensor | None, image_grid_thw: torch.Tensor) -> tuple[int, int, int]:
+        """(image slots, unsupported token types, patch rows the grids need), read from the device in one copy."""
+        patches = image_grid_thw.prod(-1).sum()
+        if mm_T is None:
+            return 0, 0, int(patches)
+        bad = (mm_T != TEXT_TOKEN_TYPE) & (mm_T != IMAGE_TOKEN_TYPE)
+        counts = torch.stack([(mm_T == IMAGE_TOKEN_TYPE).sum(), bad.sum(), patches.to(mm_T.device)])
+        n_slots, n_bad, n_patches = counts.tolist()
+        return n_slots, n_bad, n_patches
 
     # ------------------------------------------------------------------------------------------ checkpoints
 
