@@ -7,6 +7,7 @@ With no arguments it runs ``configs/debug.toml`` (tiny offline model, shapes dat
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from vlm_sft.config import ConfigError, config_from_cli
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = config_from_cli(sys.argv[1:] if argv is None else argv)
     if cfg is None:
         return 2
+    from vlm_sft.trainer.distributed import PeerFailure
     from vlm_sft.trainer.loop import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -24,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:  # settings that only fail against the machine or the data (e.g. bf16 without CUDA)
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except PeerFailure as err:  # another rank failed and printed why; rank 0 says where, the others stop quietly
+        if os.environ.get("RANK", "0") == "0":
+            print(err, file=sys.stderr)
+        return 1
     if result.last_eval:
         accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}
         print(f"final eval: loss {result.last_eval['eval_loss']:.4f}, accuracy {accs}")

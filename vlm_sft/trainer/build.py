@@ -60,24 +60,25 @@ class DataSources:
     """Held-out row index -> task name (``task`` column), for per-task accuracy; empty when absent."""
 
 
-def load_sources(cfg: RunConfig, *, is_main: bool = True, wait: Any = None) -> DataSources:
-    """Load (and for ``shapes`` first materialize, on the main rank only) the configured data.
-
-    ``wait`` is called between materialization and loading (a barrier in distributed runs).
-    """
+def materialize_data(cfg: RunConfig, *, progress: bool = True) -> dict[str, Path] | None:
+    """Write the generated shapes dataset when the config uses it (idempotent; one process at a time: in a
+    distributed run rank 0 does it before the others load). Returns its jsonl paths, or None for other sources."""
     d = cfg.data
-    if d.source == SHAPES_DATASET:
-        s = d.shapes
-        kwargs = {"num_train": s.num_train, "num_eval": s.num_eval, "seed": s.seed, "image_size": s.image_size}
-        if is_main:
-            materialize_shapes(s.root, **kwargs)
-        if wait is not None:
-            wait()
-        paths = materialize_shapes(s.root, progress=False, **kwargs)
-        train_path, eval_path = paths["train"], (paths["eval"] if s.num_eval else None)
+    if d.source != SHAPES_DATASET:
+        return None
+    s = d.shapes
+    return materialize_shapes(
+        s.root, num_train=s.num_train, num_eval=s.num_eval, seed=s.seed, image_size=s.image_size, progress=progress
+    )
+
+
+def load_sources(cfg: RunConfig) -> DataSources:
+    """Load the configured data (for ``shapes``, written first if it is not there yet)."""
+    d = cfg.data
+    shapes = materialize_data(cfg, progress=False)
+    if shapes is not None:
+        train_path, eval_path = shapes["train"], (shapes["eval"] if d.shapes.num_eval else None)
     else:
-        if wait is not None:
-            wait()
         train_path, eval_path = d.source, d.eval_source
     train = load_conversations(train_path, split=d.split)
     held = load_conversations(eval_path, split=d.split) if eval_path is not None else None

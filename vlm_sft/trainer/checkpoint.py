@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from vlm_sft.trainer.distributed import DistEnv, barrier
+from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none
 
 logger = logging.getLogger(__name__)
 
@@ -126,46 +126,48 @@ def save_checkpoint(
     root = checkpoints_dir(output_dir)
     final = root / f"step-{state.step:06d}"
     tmp = root / f"step-{state.step:06d}.tmp"
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(env)
+    with all_ranks_or_none(env, f"preparing {tmp}"):
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    torch.save(state.__dict__, tmp / f"rank{env.rank:05d}.pt")
+    with all_ranks_or_none(env, f"writing the trainer state into {tmp}"):
+        torch.save(state.__dict__, tmp / f"rank{env.rank:05d}.pt")
     if write_extra is not None:
         write_extra(tmp)
-    barrier(env)
-    if env.is_main:
-        (tmp / COMPLETE_MARKER).write_text(f"step {state.step}, world size {env.world_size}\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in complete_checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        for stale in root.glob("step-*.tmp"):
-            shutil.rmtree(stale, ignore_errors=True)
-        logger.info("saved checkpoint %s", final)
-    barrier(env)
+    with all_ranks_or_none(env, f"completing the checkpoint {final}"):
+        if env.is_main:
+            (tmp / COMPLETE_MARKER).write_text(f"step {state.step}, world size {env.world_size}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            for old in complete_checkpoints(output_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            for stale in root.glob("step-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            logger.info("saved checkpoint %s", final)
     return final
 
 
 def load_checkpoint(
     path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
 ) -> TrainerState:
-    """Restore model and optimizer in place and return this rank's trainer state."""
+    """Restore model and optimizer in place and return this rank's trainer state; every rank must call this."""
     path = Path(path)
     rank_file = path / f"rank{env.rank:05d}.pt"
-    if not rank_file.is_file():
-        raise FileNotFoundError(
-            f"{rank_file} is missing: the checkpoint was written by a job with a different world size "
-            f"({(path / COMPLETE_MARKER).read_text().strip()}); resume with the same number of processes"
-        )
+    with all_ranks_or_none(env, f"opening the checkpoint {path}"):
+        if not rank_file.is_file():
+            raise FileNotFoundError(
+                f"{rank_file} is missing: the checkpoint was written by a job with a different world size "
+                f"({(path / COMPLETE_MARKER).read_text().strip()}); resume with the same number of processes"
+            )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    raw = torch.load(rank_file, weights_only=False)
+    with all_ranks_or_none(env, f"reading {rank_file}"):
+        raw = torch.load(rank_file, weights_only=False)
     logger.info("resumed from %s at step %d", path, raw["step"])
     return TrainerState(**raw)
 

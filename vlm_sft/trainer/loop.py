@@ -1,19 +1,25 @@
-"""The training loop: exact loss normalization, clipping, schedule, eval, checkpoints, metrics.
+"""The training loop: set-up, one training step, eval and checkpoints, with exact loss normalization.
 
 One optimizer step equals one big batch: every rank draws ``micro_batches`` packs, the trainable-token count of all
 of them on all ranks is all-reduced *before* any backward, and each micro-batch's loss sum is scaled by
 ``world_size / global_count``. FSDP averages gradients over ranks (a division by ``world_size``), so the update is
 exactly ``d(sum of token losses) / d(params) / global_count``, however the tokens were split across ranks and
-micro-batches.
+micro-batches. Gradients are reduce-scattered once per step, after the last micro-batch's backward.
+
+Collectives follow the rules in ``distributed.py``: the step's one control-plane all-reduce (failure flag, end of
+data, token counts) runs on host tensors before the first forward, and every rank-local section (loading data,
+files written on rank 0, the packing self-check) is followed by an agreement, so one rank's failure stops all ranks.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,7 +41,17 @@ from vlm_sft.trainer.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
-from vlm_sft.trainer.distributed import DistEnv, all_reduce, all_reduce_sum, barrier, init_distributed, shard_model
+from vlm_sft.trainer.distributed import (
+    DistEnv,
+    all_ranks_or_none,
+    all_reduce,
+    all_reduce_sum,
+    check_peers,
+    cleanup,
+    init_distributed,
+    set_gradient_sync,
+    shard_model,
+)
 from vlm_sft.trainer.evaluate import evaluate
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
@@ -59,6 +75,173 @@ class RunResult:
     """Non-padding tokens processed per second of training steps (all ranks)."""
 
 
+@dataclass
+class Run:
+    """Everything one training run holds between steps (built by ``setup``)."""
+
+    cfg: RunConfig
+    env: DistEnv
+    out_dir: Path
+    processor: Any
+    sources: build.DataSources
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_batches: TrainBatches
+    eval_batches: list[PackedBatch]
+    metrics: MetricsLogger
+    total_steps: int
+    step: int = 0
+    compute_dtype: torch.dtype | None = None
+    """bf16 for bf16 runs (FSDP's param dtype), None for fp32."""
+    timer: StepTimer = field(init=False)
+    vision_timer: ModuleTimer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timer = StepTimer(self.env.device)
+        # The vision tower's share of each forward (it runs once per forward, on a dummy image when there is none).
+        self.vision_timer = ModuleTimer(self.model.model.visual, self.env.device)
+
+
+@dataclass(frozen=True)
+class StepBatches:
+    """The micro-batches of one optimizer step and the counts over every rank (from the step's one all-reduce)."""
+
+    batches: list[PackedBatch]
+    trainable: int
+    real: int
+    capacity: int
+    images: int
+    flops: float
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one optimizer step reports."""
+
+    loss_sum: torch.Tensor
+    """This rank's summed token loss (CPU float64 scalar; all-reduce it for the global loss)."""
+    grad_norm: float
+    sections: dict[str, float]
+
+
+# ------------------------------------------------------------------------------------------------------- set-up
+
+
+def train(cfg: RunConfig) -> RunResult:
+    """Run the configured job to its end; every rank calls this. The process group is left at exit."""
+    t_start = time.perf_counter()
+    env = init_distributed(cfg.train.device)
+    try:
+        run = setup(cfg, env)
+        last_eval, train_time, real_tokens = run_steps(run)
+        final_dir = export_final(run.out_dir / "final", run.model, run.processor, env)
+    finally:
+        cleanup(env)
+    wall = time.perf_counter() - t_start
+    tok_s = real_tokens / max(train_time, 1e-9)
+    if env.is_main:
+        logger.info(
+            "done: %d steps in %.1f s (%.0f real tokens/s); final checkpoint %s", run.step, wall, tok_s, final_dir
+        )
+    return RunResult(run.step, final_dir, last_eval, wall, tok_s)
+
+
+def setup(cfg: RunConfig, env: DistEnv) -> Run:
+    """Data, model (self-checked, then sharded), optimizer and schedule, resumed state, batches and metrics."""
+    out_dir = Path(cfg.train.output_dir)
+    torch.manual_seed(cfg.train.seed)
+    with all_ranks_or_none(env, "preparing the run (config, processor, data)"):
+        processor, renderer = _prepare(cfg, env, out_dir)
+    with all_ranks_or_none(env, "loading the data"):
+        sources = build.load_sources(cfg)
+    with all_ranks_or_none(env, "building the model"):
+        model = build.build_model(cfg, env.device)
+    if cfg.train.check_packing:
+        _self_check(cfg, env, out_dir, model, renderer, sources, int(processor.tokenizer.pad_token_id))
+    compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
+    model = shard_model(model, env, param_dtype=compute_dtype)
+    model.train()
+    total_steps = cfg.train.max_steps or _count_steps(cfg, sources, renderer, env)
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = build_scheduler(optimizer, cfg.train, total_steps)
+    step, data_state = _resume(cfg, env, out_dir, model, optimizer, scheduler)
+    pad_id = int(processor.tokenizer.pad_token_id)
+    with all_ranks_or_none(env, "starting the data pipelines and the metrics"):
+        train_batches = TrainBatches(
+            functools.partial(
+                build.build_pipeline,
+                cfg,
+                sources.train,
+                renderer,
+                rank=env.rank,
+                world_size=env.world_size,
+                epochs=None,
+            ),
+            pad_id=pad_id,
+            spatial_merge_size=model.config.vision_config.spatial_merge_size,
+            num_workers=cfg.data.num_workers,
+            state=data_state,
+            pin_memory=env.device.type == "cuda",
+        )
+        eval_batches = _eval_batches(cfg, sources, renderer, env, pad_id)
+        metrics = MetricsLogger(
+            out_dir,
+            enabled=env.is_main,
+            total_steps=total_steps,
+            start_step=step,
+            report_to=list(cfg.train.report_to),
+            run_config=cfg.to_dict(),
+        )
+    return Run(
+        cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, eval_batches, metrics,
+        total_steps, step, compute_dtype,
+    )  # fmt: skip
+
+
+def _prepare(cfg: RunConfig, env: DistEnv, out_dir: Path) -> tuple[Any, Any]:
+    """The rank-local start: settings checked against this machine, processor and renderer, shapes data written."""
+    if cfg.model.dtype == "bfloat16" and env.device.type != "cuda":
+        raise ConfigError(
+            f"model.dtype = 'bfloat16' but this run is on {env.device} (no CUDA device): bf16 is only used on "
+            "CUDA; set model.dtype = 'float32' for CPU runs"
+        )
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+    processor = build.build_processor(cfg)
+    renderer = build.build_renderer(cfg, processor)
+    check_template_parity(renderer, processor)  # refuse to train on tokens the checkpoint's template would not give
+    if env.is_main:
+        build.materialize_data(cfg)
+    return processor, renderer
+
+
+def _self_check(cfg: RunConfig, env: DistEnv, out_dir: Path, model, renderer, sources, pad_id: int) -> None:
+    """The packing self-check, on rank 0 (every rank holds the same unsharded model here); all ranks stop on failure."""
+    from vlm_sft.trainer.self_check import run_packing_check
+
+    with all_ranks_or_none(env, "running the packing self-check"):
+        if env.is_main:
+            report = run_packing_check(cfg, model=model, renderer=renderer, source=sources.train, pad_id=pad_id)
+            (out_dir / "packing_check.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+            logger.info("packing self-check:\n%s", report.format())
+            if not report.ok:
+                raise RuntimeError(f"packing self-check failed:\n{report.format()}")
+
+
+def _resume(cfg: RunConfig, env: DistEnv, out_dir: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
+    """Restore model, optimizer, schedule and RNG from ``train.resume``; (step, data pipeline state)."""
+    with all_ranks_or_none(env, "finding the checkpoint to resume from"):
+        resume_from = resolve_resume(cfg.train.resume, out_dir)
+    if resume_from is None:
+        return 0, None
+    state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env)
+    scheduler.load_state_dict(state.scheduler)
+    restore_rng(state.rng)
+    return state.step, state.data
+
+
 def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: DistEnv, pad_id: int) -> list[PackedBatch]:
     if sources.eval is None:
         return []
@@ -75,195 +258,142 @@ def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: Dis
     return [collate([p], pad_id=pad_id) for p in pipeline]
 
 
-def _next_batches(batches: TrainBatches, n: int, env: DistEnv) -> list[PackedBatch] | None:
-    """``n`` micro-batches, or None on every rank as soon as one rank has run out (end of the last epoch)."""
-    out = []
-    for _ in range(n):
-        try:
-            out.append(next(batches))
-        except StopIteration:
-            break
-    short = all_reduce_sum(torch.tensor([0 if len(out) == n else 1]), env)
-    return None if int(short) > 0 else out
-
-
 def _count_steps(cfg: RunConfig, sources: build.DataSources, renderer, env: DistEnv) -> int:
     """Optimizer steps in ``train.epochs`` passes, counted by running the pipeline once without a model."""
     epochs = cfg.train.epochs
     whole = int(epochs) if float(epochs).is_integer() else int(epochs) + 1
-    pipeline = build.build_pipeline(
-        cfg, sources.train, renderer, rank=env.rank, world_size=env.world_size, epochs=whole
-    )
-    packs = sum(1 for _ in pipeline)
-    per_epoch = packs / whole
-    steps = int(per_epoch * epochs) // cfg.train.micro_batches
+    with all_ranks_or_none(env, "counting the training steps"):
+        pipeline = build.build_pipeline(
+            cfg, sources.train, renderer, rank=env.rank, world_size=env.world_size, epochs=whole
+        )
+        packs = sum(1 for _ in pipeline)
+    steps = int(packs / whole * epochs) // cfg.train.micro_batches
     steps = int(all_reduce(torch.tensor([steps]), env, "min"))  # every rank must run the same number of steps
     if steps < 1:
         raise ValueError(f"train.epochs = {epochs} gives no full optimizer step ({packs} packs); raise epochs")
     return steps
 
 
-def train(cfg: RunConfig) -> RunResult:
-    """Run the configured job to its end; every rank calls this."""
-    t_start = time.perf_counter()
-    env = init_distributed(cfg.train.device)
-    out_dir = Path(cfg.train.output_dir)
-    if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
-    torch.manual_seed(cfg.train.seed)
+# ------------------------------------------------------------------------------------------------ the steps
 
-    processor = build.build_processor(cfg)
-    renderer = build.build_renderer(cfg, processor)
-    check_template_parity(renderer, processor)  # refuse to train on tokens the checkpoint's template would not give
-    pad_id = int(processor.tokenizer.pad_token_id)
-    sources = build.load_sources(cfg, is_main=env.is_main, wait=lambda: barrier(env))
 
-    if cfg.model.dtype == "bfloat16" and env.device.type != "cuda":
-        raise ConfigError(
-            f"model.dtype = 'bfloat16' but this run is on {env.device} (no CUDA device): bf16 autocast is only used on "
-            "CUDA; set model.dtype = 'float32' for CPU runs"
-        )
-    autocast_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
-    model = build.build_model(cfg, env.device)
-    if cfg.train.check_packing:
-        from vlm_sft.check_packing import run_packing_check
-
-        report = run_packing_check(cfg, model=model, renderer=renderer, source=sources.train, pad_id=pad_id)
-        if env.is_main:
-            logger.info("packing self-check:\n%s", report.format())
-        if not report.ok:
-            raise RuntimeError(f"packing self-check failed: {report.format()}")
-    model = shard_model(model, env)
-    model.train()
-
-    total_steps = cfg.train.max_steps or _count_steps(cfg, sources, renderer, env)
-    optimizer = build_optimizer(model, cfg.train)
-    scheduler = build_scheduler(optimizer, cfg.train, total_steps)
-    step = 0
-    data_state = None
-    resume_from = resolve_resume(cfg.train.resume, out_dir)
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env)
-        scheduler.load_state_dict(state.scheduler)
-        data_state = state.data
-        restore_rng(state.rng)
-        step = state.step
-    # Steps-based runs stream forever; epoch-based ones stop after the counted steps.
-    train_batches = TrainBatches(
-        functools.partial(
-            build.build_pipeline, cfg, sources.train, renderer, rank=env.rank, world_size=env.world_size, epochs=None
-        ),
-        pad_id=pad_id,
-        spatial_merge_size=model.config.vision_config.spatial_merge_size,
-        num_workers=cfg.data.num_workers,
-        state=data_state,
-        pin_memory=env.device.type == "cuda",
-    )
-    eval_batches = _eval_batches(cfg, sources, renderer, env, pad_id)
-    metrics = MetricsLogger(
-        out_dir,
-        enabled=env.is_main,
-        total_steps=total_steps,
-        start_step=step,
-        report_to=list(cfg.train.report_to),
-        run_config=cfg.to_dict(),
-    )
-    timer = StepTimer(env.device)
-    # The vision tower's share of each forward (it runs once per forward, on a dummy image when there is none).
-    vision_timer = ModuleTimer(model.model.visual, env.device)
-    peak = peak_flops(env.device, autocast_dtype)
+def run_steps(run: Run) -> tuple[dict, float, int]:
+    """Steps until ``total_steps`` (or the data ends), with logging, evals and checkpoints; (last eval, train
+    seconds, real tokens)."""
+    cfg, env = run.cfg, run.env
     last_eval: dict = {}
-    train_time = 0.0
-    real_tokens_total = 0
+    train_time, real_total = 0.0, 0
     window = {"real": 0, "time": 0.0, "flops": 0.0}
-    while step < total_steps:
-        timer.reset()
-        vision_timer.take()  # drop anything an eval forward left behind
-        batches = _next_batches(train_batches, cfg.train.micro_batches, env)
-        if batches is None:
+    peak = peak_flops(env.device, run.compute_dtype)
+    while run.step < run.total_steps:
+        run.timer.reset()
+        run.vision_timer.take()  # drop anything an eval forward left behind
+        step_batches = next_step_batches(run.train_batches, cfg.train.micro_batches, env, run.model)
+        if step_batches is None:
             break
-        local = torch.tensor(
-            [
-                sum(b.num_trainable_tokens for b in batches),
-                sum(b.num_real_tokens for b in batches),
-                sum(b.input_ids.numel() for b in batches),
-                sum(b.num_images for b in batches),
-                sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in batches),
-            ],
-            dtype=torch.float64,
-        )
-        global_counts = all_reduce_sum(local, env)
-        n_trainable = float(global_counts[0])
-        timer.mark("data_s")
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for batch in batches:
-            batch = batch.to(env.device)
-            with torch.autocast(env.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                out = model(**batch.model_kwargs())
-            timer.mark("forward_s")
-            timer.add("vision_s", vision_timer.take())
-            (out.loss_sum * (env.world_size / max(n_trainable, 1.0))).backward()
-            timer.mark("backward_s")
-            loss_sum += out.loss_sum.detach().double().cpu()
-        grad_norm = _clip(model, cfg.train.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        timer.mark("optimizer_s")
-        step += 1
-        sections = step_breakdown(timer.reset())
-        step_time = sections["step_time_s"]
-        train_time += step_time
-        real = int(global_counts[1])
-        flops = float(global_counts[4])
-        real_tokens_total += real
-        window["real"] += real
-        window["time"] += step_time
-        window["flops"] += flops
-        loss = float(all_reduce_sum(loss_sum, env)) / max(n_trainable, 1.0)
-        metrics.advance(1, loss=loss, lr=scheduler.get_last_lr()[0], tok_s=real / max(step_time, 1e-9))
-        if step % cfg.train.log_every == 0 or step == total_steps:
-            metrics.log(
-                {
-                    "step": step,
-                    "loss": loss,
-                    "lr": optimizer.param_groups[0]["lr"],
-                    "grad_norm": grad_norm,
-                    "real_tokens": real,
-                    "trainable_tokens": int(n_trainable),
-                    "padding_fraction": 1.0 - real / max(float(global_counts[2]), 1.0),
-                    "images": int(global_counts[3]),
-                    "tokens_per_s": window["real"] / max(window["time"], 1e-9),
-                    "peak_memory_mb": peak_memory_mb(env.device),
-                    **sections,
-                    "flops_per_step": flops,
-                    "tflops": window["flops"] / max(window["time"], 1e-9) / 1e12,
-                    "mfu": mfu(window["flops"], window["time"], peak, env.world_size),
-                }
-            )
+        stats = train_step(run, step_batches)
+        run.step += 1
+        train_time += stats.sections["step_time_s"]
+        real_total += step_batches.real
+        for key, value in (("real", step_batches.real), ("time", stats.sections["step_time_s"])):
+            window[key] += value
+        window["flops"] += step_batches.flops
+        if run.step % cfg.train.log_every == 0 or run.step == run.total_steps:
+            _log_step(run, step_batches, stats, window, peak)
             window = {"real": 0, "time": 0.0, "flops": 0.0}
-        if eval_batches and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != total_steps:
-            last_eval = evaluate(
-                model, eval_batches, env=env, sample_tasks=sources.eval_tasks, autocast_dtype=autocast_dtype
-            )
-            metrics.log({"step": step, **last_eval})
-            metrics.write(_format_eval(step, last_eval))
-        if cfg.train.save_every and step % cfg.train.save_every == 0 and step != total_steps:
-            _save(out_dir, model, optimizer, scheduler, train_batches, step, env, cfg, processor)
-    if eval_batches:
-        last_eval = evaluate(
-            model, eval_batches, env=env, sample_tasks=sources.eval_tasks, autocast_dtype=autocast_dtype
-        )
-        metrics.log({"step": step, **last_eval})
-        metrics.write(_format_eval(step, last_eval))
-    metrics.close()
-    final_dir = export_final(out_dir / "final", model, processor, env)
-    wall = time.perf_counter() - t_start
-    tok_s = real_tokens_total / max(train_time, 1e-9)
-    if env.is_main:
-        logger.info("done: %d steps in %.1f s (%.0f real tokens/s); final checkpoint %s", step, wall, tok_s, final_dir)
-    return RunResult(steps=step, final_dir=final_dir, last_eval=last_eval, wall_time_s=wall, real_tokens_per_s=tok_s)
+        else:
+            run.metrics.advance(1)
+        last = run.step == run.total_steps
+        if run.eval_batches and cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and not last:
+            last_eval = _evaluate(run)
+        if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not last:
+            _save(run)
+    if run.eval_batches:
+        last_eval = _evaluate(run)
+    run.metrics.close()
+    return last_eval, train_time, real_total
+
+
+def next_step_batches(batches: TrainBatches, n: int, env: DistEnv, model: torch.nn.Module) -> StepBatches | None:
+    """``n`` micro-batches and the global counts, or None on every rank as soon as one rank ran out of data.
+
+    One all-reduce per step carries, from every rank: whether loading failed, whether the data ended, and the
+    counts (trainable tokens first: the loss normalizer must be known before any backward).
+    """
+    out: list[PackedBatch] = []
+    error = None
+    try:
+        for _ in range(n):
+            out.append(next(batches))
+    except StopIteration:
+        pass
+    except Exception as exc:  # reported to every rank by check_peers, then re-raised here
+        error = exc
+    flops = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in out)
+    local = torch.tensor(
+        [
+            0 if len(out) == n or error else 1,
+            sum(b.num_trainable_tokens for b in out),
+            sum(b.num_real_tokens for b in out),
+            sum(b.input_ids.numel() for b in out),
+            sum(b.num_images for b in out),
+            flops,
+        ],
+        dtype=torch.float64,
+    )
+    totals = check_peers(env, "loading the next batches", error, local)
+    if float(totals[0]) > 0:
+        return None
+    trainable, real, capacity, images = (int(v) for v in totals[1:5].tolist())
+    return StepBatches(out, trainable, real, capacity, images, float(totals[5]))
+
+
+def train_step(run: Run, step: StepBatches) -> StepStats:
+    """Forward and backward of every micro-batch (gradients reduced after the last), clip, AdamW, schedule."""
+    model, env, timer = run.model, run.env, run.timer
+    timer.mark("data_s")
+    scale = env.world_size / max(step.trainable, 1)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    for i, batch in enumerate(step.batches):
+        batch = batch.to(env.device)
+        set_gradient_sync(model, i == len(step.batches) - 1)
+        out = model(**batch.model_kwargs())
+        timer.mark("forward_s")
+        timer.add("vision_s", run.vision_timer.take())
+        (out.loss_sum * scale).backward()
+        timer.mark("backward_s")
+        loss_sum += out.loss_sum.detach()
+    grad_norm = _clip(model, run.cfg.train.grad_clip)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    loss_and_norm = torch.stack([loss_sum, grad_norm.double()]).cpu()  # the step's one read of the device
+    timer.mark("optimizer_s")
+    return StepStats(loss_and_norm[0], float(loss_and_norm[1]), step_breakdown(timer.reset()))
+
+
+def _log_step(run: Run, step: StepBatches, stats: StepStats, window: dict, peak: float | None) -> None:
+    loss = float(all_reduce_sum(stats.loss_sum.reshape(1), run.env)) / max(step.trainable, 1)
+    lr = run.scheduler.get_last_lr()[0]
+    record = {
+        "step": run.step,
+        "loss": loss,
+        "lr": run.optimizer.param_groups[0]["lr"],
+        "grad_norm": stats.grad_norm,
+        "real_tokens": step.real,
+        "trainable_tokens": step.trainable,
+        "padding_fraction": 1.0 - step.real / max(step.capacity, 1),
+        "images": step.images,
+        "tokens_per_s": window["real"] / max(window["time"], 1e-9),
+        "peak_memory_mb": peak_memory_mb(run.env.device),
+        **stats.sections,
+        "flops_per_step": step.flops,
+        "tflops": window["flops"] / max(window["time"], 1e-9) / 1e12,
+        "mfu": mfu(window["flops"], window["time"], peak, run.env.world_size),
+    }
+    with all_ranks_or_none(run.env, "writing the metrics"):
+        run.metrics.advance(1, loss=loss, lr=lr, tok_s=step.real / max(stats.sections["step_time_s"], 1e-9))
+        run.metrics.log(record)
 
 
 STEP_SECTIONS = ("data_s", "forward_s", "backward_s", "optimizer_s")
@@ -273,7 +403,7 @@ STEP_SECTIONS = ("data_s", "forward_s", "backward_s", "optimizer_s")
 def step_breakdown(sections: dict[str, float]) -> dict[str, float]:
     """Where one step's time went, as logged in ``metrics.jsonl`` (seconds, this rank).
 
-    ``data_s`` (waiting for packs, collating, the token-count all-reduce), ``forward_s`` = ``vision_s`` (the vision
+    ``data_s`` (waiting for packs, collating, the step's all-reduce), ``forward_s`` = ``vision_s`` (the vision
     tower) + ``text_forward_s`` (embedding, text decoder and the chunked loss, which also computes the LM head's
     gradients), ``backward_s``, ``optimizer_s`` (clipping, AdamW, schedule); ``step_time_s`` is the sum of the four
     disjoint sections. Synchronized on CUDA, so each section holds its own kernels.
@@ -286,6 +416,28 @@ def step_breakdown(sections: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Clip to ``max_norm`` and return the total gradient norm as a device scalar (read later, with the loss)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), device=next(model.parameters()).device)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm
+
+
+# ------------------------------------------------------------------------------------------ eval and saving
+
+
+def _evaluate(run: Run) -> dict:
+    result = evaluate(run.model, run.eval_batches, env=run.env, sample_tasks=run.sources.eval_tasks)
+    with all_ranks_or_none(run.env, "writing the eval metrics"):
+        run.metrics.log({"step": run.step, **result})
+        run.metrics.write(_format_eval(run.step, result))
+    return result
+
+
 def _format_eval(step: int, ev: dict) -> str:
     accs = " ".join(
         f"{k.removeprefix('eval_acc_')}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith("eval_acc_")
@@ -293,40 +445,33 @@ def _format_eval(step: int, ev: dict) -> str:
     return f"step {step}: eval loss {ev['eval_loss']:.4f}; accuracy {accs}"
 
 
-def _clip(model: torch.nn.Module, max_norm: float | None) -> float:
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def _save(out_dir, model, optimizer, scheduler, train_batches, step, env, cfg, processor) -> None:
+def _save(run: Run) -> None:
     """A resumable checkpoint with an HF export of the same weights inside it (``checkpoints/step-N/hf``)."""
     state = TrainerState(
-        step=step, scheduler=scheduler.state_dict(), data=train_batches.state_dict(), rng=capture_rng(), extra={}
+        step=run.step,
+        scheduler=run.scheduler.state_dict(),
+        data=run.train_batches.state_dict(),
+        rng=capture_rng(),
+        extra={},
     )
     save_checkpoint(
-        out_dir,
-        model=model,
-        optimizer=optimizer,
+        run.out_dir,
+        model=run.model,
+        optimizer=run.optimizer,
         state=state,
-        env=env,
-        keep_last=cfg.train.keep_last,
-        write_extra=lambda folder: export_final(folder / "hf", model, processor, env),
+        env=run.env,
+        keep_last=run.cfg.train.keep_last,
+        write_extra=lambda folder: export_final(folder / "hf", run.model, run.processor, run.env),
     )
 
 
 def export_final(directory: Path, model: torch.nn.Module, processor, env: DistEnv) -> Path:
     """Write the HF checkpoint: weights + config, then processor and tokenizer (tokenizer last, verified on reload)."""
     state = full_state_dict(model)
-    if env.is_main:
-        vlm = model
-        if vlm.tied_embeddings:
-            state.pop("lm_head.weight", None)
-        save_hf_checkpoint(state, vlm.config, directory)
-        save_processor(directory, processor, processor.tokenizer)
-    barrier(env)
+    with all_ranks_or_none(env, f"writing the checkpoint {directory}"):
+        if env.is_main:
+            if model.tied_embeddings:
+                state.pop("lm_head.weight", None)
+            save_hf_checkpoint(state, model.config, directory)
+            save_processor(directory, processor, processor.tokenizer)
     return directory
