@@ -185,9 +185,9 @@ def check_peers(
     (so an error every rank hit, e.g. a bad setting, is printed once); otherwise returns the summed ``values``
     (a CPU float64 tensor) or None.
     """
-    local = torch.zeros(1, dtype=torch.float64) if values is None else torch.cat([torch.zeros(1), values.double()])
-    local[0] = 1.0 if error is not None else 0.0
-    total = all_reduce_sum(_host(local, "check_peers"), env)
+    flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
+    local = flag if values is None else torch.cat([flag, _host(values, "check_peers").double()])
+    total = all_reduce_sum(local, env)
     if float(total[0]) > 0:
         messages: list[str | None] = [None] * env.world_size
         if env.distributed:

@@ -1,0 +1,178 @@
+"""The collective rules of ``vlm_sft/trainer/distributed.py``, held on the CPU.
+
+1. The process group serves what it is handed: on CUDA it is ``cpu:gloo,cuda:nccl`` (NCCL alone refuses CPU
+   tensors, which crashed every multi-GPU run at its first step); checked by building the group on a machine made to
+   look like CUDA.
+2. The trainer's own collectives take host tensors, and only ``distributed.py`` calls ``torch.distributed``: a device
+   tensor handed to a helper is refused (a meta tensor stands in for a GPU one), and a source scan fails on any new
+   direct collective elsewhere in the package. A 2-rank run records the device of every all-reduce the trainer made.
+3. Gradients are reduce-scattered once per step, not once per micro-batch (counted in 2-rank runs).
+4. A failure on one rank stops every rank promptly, with the message printed once (two plain processes, as a
+   cluster scheduler starts them: no torchrun to kill the survivor).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from train_helpers import TRAIN_SCRIPT, launch_env, run_training, tiny_run_args
+
+import vlm_sft.trainer.distributed as distributed
+from vlm_sft.config import REPO_ROOT
+from vlm_sft.model import tiny_qwen3_5_config
+from vlm_sft.trainer.distributed import DistEnv, PeerFailure, all_reduce, check_peers
+
+PROBE = str(Path(__file__).with_name("collective_probe.py"))
+COLLECTIVES = {
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
+    "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all",
+    "all_to_all_single", "gather", "scatter", "reduce", "send", "recv",
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ 1. the backend map
+
+
+def test_cuda_process_group_serves_cpu_and_cuda_tensors(monkeypatch):
+    """On a CUDA machine the group must have a CPU backend too: the trainer reduces host tensors."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    env = distributed.init_distributed("auto")
+    assert env.device == torch.device("cuda", 3) and env.sharded
+    assert [c["backend"] for c in calls] == ["cpu:gloo,cuda:nccl"]
+
+
+def test_one_gpu_gets_a_one_rank_group_and_the_cpu_none(monkeypatch):
+    """One GPU is sharded too (FSDP's bf16 mixed precision); a single CPU process has no group at all."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
+        monkeypatch.delenv(key, raising=False)
+    env = distributed.init_distributed("auto")
+    assert env.sharded and calls[0]["world_size"] == 1 and calls[0]["backend"] == "cpu:gloo,cuda:nccl"
+    calls.clear()
+    assert not distributed.init_distributed("cpu").sharded and not calls
+
+
+# ------------------------------------------------------------------------- 2. host tensors, one module
+
+
+def test_helpers_refuse_device_tensors():
+    env = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    on_device = torch.zeros(2, device="meta")  # stands in for a CUDA tensor: anything that is not host memory
+    with pytest.raises(ValueError, match="host"):
+        all_reduce(on_device, env)
+    with pytest.raises(ValueError, match="host"):
+        check_peers(env, "testing", values=on_device)
+
+
+def test_check_peers_single_process_sums_and_reraises():
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    assert check_peers(env, "testing", values=torch.tensor([2.0, 3.0])).tolist() == [2.0, 3.0]
+    with pytest.raises(KeyError, match="boom"):
+        check_peers(env, "testing", KeyError("boom"))
+    assert "rank 1 failed while saving" in str(PeerFailure("saving", {1: "OSError: disk full"}))
+
+
+def _direct_collective_calls(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+            owner = ast.unparse(node.func.value)
+            if owner in ("dist", "torch.distributed", "c10d"):
+                found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {owner}.{node.func.attr}")
+    return found
+
+
+def test_only_distributed_py_calls_collectives():
+    """A collective written anywhere else could hand NCCL a CPU tensor (or skip the failure agreement)."""
+    offenders = []
+    for path in sorted((REPO_ROOT / "vlm_sft").rglob("*.py")):
+        if path.name != "distributed.py":
+            offenders += _direct_collective_calls(path)
+    assert not offenders, offenders
+    assert _direct_collective_calls(REPO_ROOT / "vlm_sft" / "trainer" / "distributed.py")  # the scan sees calls
+
+
+# ---------------------------------------------------------- 3. gradient reduction once per step (2 ranks)
+
+
+def _probe(tmp: Path, micro_batches: int) -> list[dict]:
+    out = tmp / f"probe-{micro_batches}"
+    out.mkdir()
+    args = tiny_run_args(out, **{"train.micro_batches": micro_batches, "train.max_steps": 2})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", PROBE, *args]
+    env = launch_env() | {"PROBE_OUT": str(out)}
+    proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_gradients_are_reduced_once_per_step(tmp_path):
+    """2 steps: with 1 micro-batch and with 3 the ranks reduce-scatter the same number of times (once per FSDP
+    unit with gradients per step); syncing after every micro-batch would triple it."""
+    one, three = _probe(tmp_path, 1), _probe(tmp_path, 3)
+    units = tiny_qwen3_5_config().text_config.num_hidden_layers + 2  # decoder layers, the vision tower, the root
+    for a, b in zip(one, three, strict=True):
+        assert a["counts"]["reduce_scatter_single"] == b["counts"]["reduce_scatter_single"] == 2 * units
+        assert a["all_reduce_devices"] == b["all_reduce_devices"] == ["cpu"]
+
+
+# --------------------------------------------------------------------- 4. one rank fails, all stop
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_failure_on_one_rank_stops_every_rank_with_the_message_once(tmp_path):
+    """Rank 1 cannot open its part of the checkpoint to resume from; rank 0 can. Without the agreement rank 0
+    would walk into the checkpoint's collectives alone and wait (on NCCL: until the 10-minute timeout)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "COMPLETE").write_text("step 3, world size 2\n")
+    torch.save({"step": 3}, ckpt / "rank00000.pt")  # rank00001.pt is missing
+    args = tiny_run_args(tmp_path, **{"train.resume": str(ckpt)})
+    port = _free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in (0, 1):
+        env = launch_env() | {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        }  # fmt: skip
+        cmd = [sys.executable, TRAIN_SCRIPT, *args]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = [p.communicate(timeout=120) for p in procs]
+    elapsed = time.monotonic() - start
+    err = [e.decode() for _, e in outputs]
+    assert [p.returncode for p in procs] == [1, 1], err
+    assert "stopped: rank 1 failed while opening the checkpoint" in err[0]
+    assert (err[0] + err[1]).count("rank00001.pt is missing") == 1, err
+    assert elapsed < 60, elapsed  # start-up included; the failure itself ends both ranks at once
+
+
+def test_launchers_see_the_probe_and_entry_point():
+    assert Path(TRAIN_SCRIPT).is_file() and Path(PROBE).is_file() and "RANK" not in launch_env()
+    assert callable(run_training)
+    assert os.path.basename(PROBE) == "collective_probe.py"
