@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -110,6 +111,40 @@ def test_only_distributed_py_calls_collectives():
             offenders += _direct_collective_calls(path)
     assert not offenders, offenders
     assert _direct_collective_calls(REPO_ROOT / "vlm_sft" / "trainer" / "distributed.py")  # the scan sees calls
+
+
+def test_bf16_runs_compute_in_bf16_over_fp32_master_weights():
+    """FSDP2 mixed precision (what a bf16 run gets on CUDA, one GPU or many): layers see bf16 weights and compute
+    in bf16, while parameters, gradients and AdamW state stay fp32; the loss stays within bf16 noise of fp32."""
+    from test_host_syncs import _batch
+
+    from vlm_sft.model import build_model
+    from vlm_sft.trainer.distributed import shard_model
+
+    torch.manual_seed(0)
+    reference = build_model(tiny_qwen3_5_config(), freeze_vision=False)
+    model = build_model(tiny_qwen3_5_config(), freeze_vision=False)
+    model.load_state_dict(reference.state_dict())
+    batch = _batch()
+    distributed.dist.init_process_group("cpu:gloo", store=distributed.dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded_env = SimpleNamespace(sharded=True, device=torch.device("cpu"), world_size=1)
+        model = shard_model(model, sharded_env, param_dtype=torch.bfloat16)
+        seen = []
+        mlp = model.model.language_model.layers[0].mlp.gate_proj
+        mlp.register_forward_hook(lambda m, args, out: seen.append((m.weight.dtype, out.dtype)))
+        loss = model(**batch.model_kwargs()).loss_sum
+        loss.backward()
+        optimizer = torch.optim.AdamW(model.parameters())
+        optimizer.step()
+    finally:
+        distributed.dist.destroy_process_group()
+    expected = reference(**batch.model_kwargs()).loss_sum
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in model.parameters() if p.grad is not None} == {torch.float32}
+    assert {v.dtype for state in optimizer.state.values() for v in state.values() if v.dim()} == {torch.float32}
+    assert float(loss) != float(expected) and abs(float(loss) - float(expected)) <= 1e-3 * float(expected)
 
 
 # ---------------------------------------------------------- 3. gradient reduction once per step (2 ranks)
