@@ -150,10 +150,10 @@ def test_bf16_runs_compute_in_bf16_over_fp32_master_weights():
 # ---------------------------------------------------------- 3. gradient reduction once per step (2 ranks)
 
 
-def _probe(tmp: Path, micro_batches: int) -> list[dict]:
-    out = tmp / f"probe-{micro_batches}"
+def _probe(tmp: Path, grad_sync: str) -> list[dict]:
+    out = tmp / f"probe-{grad_sync}"
     out.mkdir()
-    args = tiny_run_args(out, **{"train.micro_batches": micro_batches, "train.max_steps": 2})
+    args = tiny_run_args(out, **{"train.micro_batches": 3, "train.max_steps": 2, "train.grad_sync": grad_sync})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", PROBE, *args]
     env = launch_env() | {"PROBE_OUT": str(out)}
     proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
@@ -162,13 +162,16 @@ def _probe(tmp: Path, micro_batches: int) -> list[dict]:
 
 
 def test_gradients_are_reduced_once_per_step(tmp_path):
-    """2 steps: with 1 micro-batch and with 3 the ranks reduce-scatter the same number of times (once per FSDP
-    unit with gradients per step); syncing after every micro-batch would triple it."""
-    one, three = _probe(tmp_path, 1), _probe(tmp_path, 3)
+    """2 steps of 3 micro-batches: each FSDP unit with gradients reduce-scatters once per step by default, and after
+    every micro-batch only when asked (``train.grad_sync = "micro_batch"``, for gradients too big to hold whole).
+    Both runs' control-plane all-reduces got host tensors only."""
+    per_step, per_micro = _probe(tmp_path, "step"), _probe(tmp_path, "micro_batch")
     units = tiny_qwen3_5_config().text_config.num_hidden_layers + 2  # decoder layers, the vision tower, the root
-    for a, b in zip(one, three, strict=True):
-        assert a["counts"]["reduce_scatter_single"] == b["counts"]["reduce_scatter_single"] == 2 * units
+    for a, b in zip(per_step, per_micro, strict=True):
+        assert a["counts"]["reduce_scatter_single"] == 2 * units
+        assert b["counts"]["reduce_scatter_single"] == 2 * 3 * units
         assert a["all_reduce_devices"] == b["all_reduce_devices"] == ["cpu"]
+    assert per_step[0]["counts"]["all_reduce"] == per_micro[0]["counts"]["all_reduce"]
 
 
 # --------------------------------------------------------------------- 4. one rank fails, all stop

@@ -118,6 +118,11 @@ class TrainConfig(_Section):
     """Passes over the data when ``max_steps`` is None."""
     micro_batches: int = Field(1, ge=1)
     """Micro-batches per optimizer step on each rank (gradient accumulation)."""
+    grad_sync: Literal["step", "micro_batch"] = "step"
+    """When sharded gradients are reduce-scattered: once per ``step`` (after the last micro-batch: 1/micro_batches
+    of the traffic, but each rank holds the whole model's unsharded fp32 gradient during the step, 4 bytes per
+    parameter) or after every ``micro_batch`` (sharded gradients only: for models whose full gradient does not fit
+    one GPU). The update is the same either way."""
     lr: float = Field(1e-3, gt=0)
     """Peak learning rate."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)

@@ -356,7 +356,7 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     for i, batch in enumerate(step.batches):
         batch = batch.to(env.device)
-        set_gradient_sync(model, i == len(step.batches) - 1)
+        set_gradient_sync(model, run.cfg.train.grad_sync == "micro_batch" or i == len(step.batches) - 1)
         out = model(**batch.model_kwargs())
         timer.mark("forward_s")
         timer.add("vision_s", run.vision_timer.take())
