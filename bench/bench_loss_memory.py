@@ -1,11 +1,16 @@
 """Peak memory of our chunked cross-entropy against full ``F.cross_entropy`` over materialised logits (CPU).
 
 Run: ``python bench/bench_loss_memory.py`` (defaults: Qwen3.5's vocabulary 248,320, 4,096 tokens, hidden 1,024,
-float32; forward + backward). Prints a table and writes ``bench/results/bench_loss_memory.json``.
+float32). Prints a table and writes ``bench/results/bench_loss_memory.json``.
+
+Two kinds of rows: ``train`` (forward + backward of the loss sum: full ``F.cross_entropy`` against
+``chunked_cross_entropy``) and ``eval`` (per-token loss and argmax, no gradient: what eval did before, full fp32
+logits with ``F.cross_entropy(reduction="none")`` and ``argmax``, against ``token_scores``, which eval and the
+notebooks now use). The eval rows show that teacher-forced scoring fits inside the chunked training loss's budget.
 
 Each variant runs in a fresh child process; its peak resident memory (``ru_maxrss``) after building the inputs is
-the baseline, and the figure reported is how far forward + backward raised the peak above it. The weight and
-hidden-state gradients (which both variants produce) are included. The full variant needs about 13 GB.
+the baseline, and the figure reported is how far the variant raised the peak above it. The weight and hidden-state
+gradients (which both train variants produce) are included. The full variants need about 13 GB.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_memory.json"
 QWEN3_5_VOCAB = 248_320
+MODES = ("full", "chunked", "full-eval", "eval")
+"""Child variants: train full / chunked, eval full (the old eval) / chunked (``token_scores``)."""
 
 
 def child(mode: str, tokens: int, hidden: int, vocab: int, chunk_size: int) -> None:
@@ -27,11 +34,12 @@ def child(mode: str, tokens: int, hidden: int, vocab: int, chunk_size: int) -> N
     import torch
     import torch.nn.functional as F
 
-    from vlm_sft.model.loss import chunked_cross_entropy
+    from vlm_sft.model.loss import chunked_cross_entropy, token_scores
 
+    train = mode in ("full", "chunked")
     gen = torch.Generator().manual_seed(0)
-    h = torch.randn(tokens, hidden, generator=gen).requires_grad_()
-    w = torch.randn(vocab, hidden, generator=gen).mul_(0.02).requires_grad_()  # in place: no transient copy
+    h = torch.randn(tokens, hidden, generator=gen).requires_grad_(train)
+    w = torch.randn(vocab, hidden, generator=gen).mul_(0.02).requires_grad_(train)  # in place: no transient copy
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
     mask = torch.rand(tokens, generator=gen) > 0.2
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -40,9 +48,20 @@ def child(mode: str, tokens: int, hidden: int, vocab: int, chunk_size: int) -> N
         logits = h @ w.T
         loss = F.cross_entropy(logits, targets.masked_fill(~mask, -100), reduction="sum")
         del logits
-    else:
+        loss.backward()
+    elif mode == "chunked":
         loss, _ = chunked_cross_entropy(h, w, targets, mask, chunk_size=chunk_size)
-    loss.backward()
+        loss.backward()
+    elif mode == "full-eval":  # what eval did before: [T, V] fp32 logits, then per-token loss and argmax
+        with torch.no_grad():
+            logits = (h @ w.T).float()
+            nll = F.cross_entropy(logits[mask], targets[mask], reduction="none")
+            argmax = logits.argmax(-1)
+            loss = nll.sum()
+            del logits, nll, argmax
+    else:
+        nll, argmax = token_scores(h, w, targets, mask, chunk_size=chunk_size)
+        loss = nll.sum()
     seconds = time.perf_counter() - t0
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(json.dumps({"loss": loss.item(), "seconds": seconds, "extra_peak_mb": (peak_kb - baseline_kb) / 1024}))
@@ -62,27 +81,31 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=QWEN3_5_VOCAB)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[1024, 256])
     parser.add_argument("--chunk-size", type=int, default=1024, help=argparse.SUPPRESS)
-    parser.add_argument("--child", choices=["full", "chunked"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args.child, args.tokens, args.hidden, args.vocab, args.chunk_size)
         return
 
-    full = run_child("full", args, 0)
-    rows = [{"variant": "full F.cross_entropy", "chunk_size": None, **full, "ratio_to_full": 1.0}]
-    for size in args.chunk_sizes:
-        res = run_child("chunked", args, size)
-        rows.append(
-            {
-                "variant": "chunked",
-                "chunk_size": size,
-                **res,
-                "ratio_to_full": res["extra_peak_mb"] / full["extra_peak_mb"],
-            }
-        )
+    rows = []
+    for kind, full_mode, chunked_mode in (("train", "full", "chunked"), ("eval", "full-eval", "eval")):
+        full = run_child(full_mode, args, 0)
+        rows.append({"kind": kind, "variant": f"full {kind}", "chunk_size": None, **full, "ratio_to_full": 1.0})
+        for size in args.chunk_sizes:
+            res = run_child(chunked_mode, args, size)
+            ratio = res["extra_peak_mb"] / full["extra_peak_mb"]
+            rows.append({"kind": kind, "variant": f"chunked {kind}", "chunk_size": size, **res, "ratio_to_full": ratio})
+    print_table(rows, args)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": "float32"}
+    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     logits_gb = args.tokens * args.vocab * 4 / 2**30
     print(
-        f"cross-entropy fwd+bwd, float32, CPU: {args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab:,} "
+        f"cross-entropy, float32, CPU: {args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab:,} "
         f"(full fp32 logits alone: {logits_gb:.1f} GiB)"
     )
     header = f"{'variant':<22} {'chunk':>6} {'extra peak MB':>14} {'ratio':>7} {'seconds':>8} {'loss sum':>14}"
@@ -94,10 +117,6 @@ def main() -> None:
             f"{r['variant']:<22} {chunk:>6} {r['extra_peak_mb']:>14.0f} {r['ratio_to_full']:>7.3f} "
             f"{r['seconds']:>8.1f} {r['loss']:>14.3f}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": "float32"}
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
 
 
 if __name__ == "__main__":

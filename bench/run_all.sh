@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json.
-# About 20 minutes on 2 cores; bench_loss_memory.py alone needs ~12 GB of memory and ~5 minutes (skip it with
+# About 20 minutes on 2 cores; bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
 # SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."

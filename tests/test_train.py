@@ -42,9 +42,13 @@ def one_rank_run(tmp_path_factory) -> Path:
 
 
 def test_two_ranks_equal_one_rank_with_more_micro_batches(one_rank_run, tmp_path):
-    """2 ranks x 2 micro-batches see the same packs per step as 1 rank x 4: same losses and parameters."""
-    run_training(tiny_run_args(tmp_path, **{"train.micro_batches": 2, "data.shapes.num_eval": 8}), nproc=2)
+    """2 ranks x 2 micro-batches see the same packs per step as 1 rank x 4: same losses and parameters.
+
+    The 2-rank run has one held-out sample, so rank 1's share of eval packs is empty: it must still take part in
+    eval (FSDP gathers parameters in every forward) instead of leaving rank 0 waiting."""
+    run_training(tiny_run_args(tmp_path, **{"train.micro_batches": 2, "data.shapes.num_eval": 1}), nproc=2)
     one, two = read_metrics(one_rank_run), read_metrics(tmp_path / "run")
+    assert [r["eval_tokens"] for r in two if "eval_loss" in r][-1] > 0
     a, b = deterministic(one), deterministic(two)
     assert [r["step"] for r in a] == [1, 2] == [r["step"] for r in b]
     for ra, rb in zip(a, b, strict=True):

@@ -29,6 +29,7 @@ from vlm_sft.data.collate import collate
 from vlm_sft.data.mrope import sample_position_ids
 from vlm_sft.data.pack import Pack
 from vlm_sft.data.shift import shift_sample
+from vlm_sft.trainer.scoring import score_batch
 
 TRAINABLE_COLOUR = "#9be39b"
 IMAGE_COLOUR = "#f5b041"
@@ -363,8 +364,11 @@ def explain_skips(skipped: dict[str, dict], prepare: Callable[[int], Any]) -> HT
 
 
 @dataclass(frozen=True)
-class TokenScores:
-    """Teacher-forced predictions of one sample at its trainable positions."""
+class ReplyScores:
+    """Teacher-forced predictions of one sample at its trainable positions (per-token lists, for plotting).
+
+    Named apart from ``vlm_sft.model.loss.TokenScores``, the model's ``[B, L]`` tensors these are read from.
+    """
 
     targets: list[str]
     """The reference tokens (decoded one by one)."""
@@ -381,20 +385,20 @@ def _single_batch(sample: RenderedSample, pad_id: int, merge: int) -> PackedBatc
     return collate([Pack(rows=((shifted,),), row_len=len(shifted))], pad_id=pad_id, spatial_merge_size=merge)
 
 
-@torch.no_grad()
-def teacher_forced(model: Any, sample: RenderedSample, tokenizer: Any) -> TokenScores:
-    """Per-token loss and argmax of ``model`` on the trainable tokens of ``sample``."""
+def teacher_forced(model: Any, sample: RenderedSample, tokenizer: Any) -> ReplyScores:
+    """Per-token loss and argmax of ``model`` on the trainable tokens of ``sample``.
+
+    Scored by the trainer's eval code (``score_batch``: chunked, no full logits), so a probe and the eval accuracy
+    can never disagree on what the model predicted.
+    """
     batch = _single_batch(sample, int(tokenizer.pad_token_id), model.config.vision_config.spatial_merge_size)
-    kwargs = {k: v for k, v in batch.model_kwargs().items() if k not in ("target_ids", "loss_mask")}
-    logits = model(**kwargs)[0].float()
+    scored = score_batch(model, batch, next(model.parameters()).device)
     mask = batch.loss_mask[0]
-    targets = batch.target_ids[0][mask]
-    losses = torch.nn.functional.cross_entropy(logits[mask], targets, reduction="none")
-    predicted = logits[mask].argmax(-1)
-    return TokenScores(
+    targets, predicted = batch.target_ids[0][mask], scored.argmax[0][mask]
+    return ReplyScores(
         targets=[tokenizer.decode([t]) for t in targets.tolist()],
         predicted=[tokenizer.decode([t]) for t in predicted.tolist()],
-        losses=losses.tolist(),
+        losses=scored.nll[0][mask].tolist(),
         correct=(predicted == targets).tolist(),
     )
 
@@ -437,7 +441,7 @@ class Probe:
     """The conversation, including the reference answer."""
     greedy: str
     """What the model answers on its own."""
-    scores: TokenScores
+    scores: ReplyScores
     """Teacher-forced per-token losses on the reference answer."""
 
 

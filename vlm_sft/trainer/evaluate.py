@@ -1,4 +1,4 @@
-"""Held-out eval: loss per trainable token, and answer accuracy by teacher-forced argmax.
+"""Held-out eval: loss per trainable token, and answer accuracy by teacher-forced argmax, reduced over ranks.
 
 A sample counts as answered when the argmax prediction equals the target at every trainable position of its
 assistant reply (teacher forcing: no generation loop). On shapes the replies are templated ("The shape is red."),
@@ -6,7 +6,9 @@ so once the template is learned the accuracy of colour questions measures whethe
 language model: the text alone carries no colour (chance 1/6).
 
 Eval batches are packed rows like training ones; the model keeps samples apart through ``seq_lens``, so packing
-does not change any sample's prediction.
+does not change any sample's prediction. Scoring is ``vlm_sft.trainer.scoring.score_batch`` (chunked: never the
+``[B, L, V]`` logits, so eval fits the training loss's memory budget); this module adds the per-task tallies and
+the cross-rank reduction.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 from vlm_sft.data.batch import PackedBatch
-from vlm_sft.trainer.distributed import DistEnv, all_reduce, all_reduce_sum
+from vlm_sft.trainer.distributed import DistEnv, all_reduce
+from vlm_sft.trainer.scoring import filler_batch, score_batch
 
 
 @torch.no_grad()
@@ -30,50 +33,42 @@ def evaluate(
     sample_tasks: dict[int, str] | None = None,
     autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
-    """Eval loss and per-task accuracy over ``batches`` (this rank's share), reduced over all ranks.
+    """Eval loss and per-task accuracy over ``batches`` (this rank's share, CPU batches), reduced over all ranks.
 
-    Every rank runs the same number of forwards (FSDP issues collectives in each one): a rank with fewer batches
-    repeats its last one and ignores the result.
+    Returns ``eval_loss`` (loss sum / trainable tokens), ``eval_tokens``, and ``eval_acc_<task>`` for every task of
+    ``sample_tasks`` (dataset index -> task) that has a scored sample, plus ``eval_acc_all``. ``sample_tasks`` must be
+    the same map on every rank (the whole held-out split's): its task names fix the layout of the reduced tallies.
+
+    Every rank runs the same number of forwards (FSDP all-gathers parameters in each one): a rank with fewer batches
+    than its peers, or none at all, scores a tiny filler batch instead, which contributes nothing. Collectives: one
+    ``max`` of the batch counts before, one ``sum`` of all tallies after, on CPU tensors.
     """
-    was_training = model.training
-    model.eval()
-    n_local = torch.tensor(len(batches), dtype=torch.long)
-    n_forwards = int(all_reduce(n_local, env, "max"))
-    sums = torch.zeros(2, dtype=torch.float64)  # loss sum, token count
+    tasks = sample_tasks or {}
+    keys = sorted(set(tasks.values()) | {"all"})  # the same on every rank: the tally tensor has one layout
+    n_forwards = int(all_reduce(torch.tensor([len(batches)]), env, "max"))
+    sums = torch.zeros(2, dtype=torch.float64)  # loss sum, trainable tokens
     correct: Counter[str] = Counter()
     seen: Counter[str] = Counter()
-    tasks = sample_tasks or {}
-    for i in range(n_forwards):
-        if not batches:
-            raise RuntimeError(f"rank {env.rank} has no eval batch; use at least as many eval packs as ranks")
-        batch = batches[min(i, len(batches) - 1)].to(env.device)
-        with torch.autocast(env.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            kwargs = batch.model_kwargs()
-            del kwargs["target_ids"], kwargs["loss_mask"]  # no targets: the model returns logits
-            logits = model(**kwargs)
-        if i >= len(batches):
-            continue
-        logits = logits.float()
-        mask = batch.loss_mask
-        nll = nn.functional.cross_entropy(logits[mask], batch.target_ids[mask], reduction="sum")
-        sums += torch.tensor([float(nll), float(mask.sum())], dtype=torch.float64)
-        hit = (logits.argmax(-1) == batch.target_ids) | ~mask
-        for r in range(batch.shape[0]):
-            for start, end, idx in batch.row_segments(r):
-                if idx is None or not bool(mask[r, start:end].any()):  # padding, or nothing trained
-                    continue
-                task = tasks.get(int(idx), "all")
-                ok = bool(hit[r, start:end].all())
-                for key in {task, "all"}:
+    was_training = model.training
+    model.eval()
+    try:
+        for i in range(n_forwards):
+            if i >= len(batches):
+                score_batch(model, filler_batch(), env.device, autocast_dtype=autocast_dtype)
+                continue
+            scored = score_batch(model, batches[i], env.device, autocast_dtype=autocast_dtype)
+            sums += torch.tensor([scored.loss_sum, scored.num_tokens], dtype=torch.float64)
+            for sample in scored.samples:
+                for key in {tasks.get(sample.index, "all"), "all"}:
                     seen[key] += 1
-                    correct[key] += int(ok)
-    keys = sorted(set(tasks.values()) | {"all"})
+                    correct[key] += int(sample.answered)
+    finally:
+        model.train(was_training)
     counts = torch.tensor([[correct[k], seen[k]] for k in keys], dtype=torch.float64)
-    sums = all_reduce_sum(sums, env)
-    counts = all_reduce_sum(counts, env)
-    model.train(was_training)
-    out = {"eval_loss": float(sums[0] / sums[1].clamp(min=1)), "eval_tokens": int(sums[1])}
-    for k, (c, s) in zip(keys, counts.tolist(), strict=True):
+    total = all_reduce(torch.cat([sums, counts.flatten()]), env, "sum")
+    loss_sum, tokens, counts = float(total[0]), int(total[1]), total[2:].view(-1, 2).tolist()
+    out: dict[str, float] = {"eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens}
+    for key, (c, s) in zip(keys, counts, strict=True):
         if s:
-            out[f"eval_acc_{k}"] = c / s
+            out[f"eval_acc_{key}"] = c / s
     return out

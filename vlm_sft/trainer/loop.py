@@ -281,6 +281,7 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
     """Steps until ``total_steps`` (or the data ends), with logging, evals and checkpoints; (last eval, train
     seconds, real tokens)."""
     cfg, env = run.cfg, run.env
+    has_eval = run.sources.eval is not None  # the same on every rank, even one whose share of eval packs is empty
     last_eval: dict = {}
     train_time, real_total = 0.0, 0
     window = {"real": 0, "time": 0.0, "flops": 0.0}
@@ -304,11 +305,11 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
         else:
             run.metrics.advance(1)
         last = run.step == run.total_steps
-        if run.eval_batches and cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and not last:
+        if has_eval and cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and not last:
             last_eval = _evaluate(run)
         if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not last:
             _save(run)
-    if run.eval_batches:
+    if has_eval:
         last_eval = _evaluate(run)
     run.metrics.close()
     return last_eval, train_time, real_total
