@@ -7,7 +7,7 @@ import json
 from PIL import Image
 
 from vlm_sft.config import load_config
-from vlm_sft.data.report import build_report, main
+from vlm_sft.report import build_report, main
 
 
 def test_report_on_shapes_accounts_for_every_sample(tmp_path):

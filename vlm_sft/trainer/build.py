@@ -1,6 +1,6 @@
 """From a ``RunConfig`` to the objects a run needs: processor, renderer, data sources, pipeline, model.
 
-The trainer, the data report (``python -m vlm_sft.data.report``) and the packing self-check
+The trainer, the data report (``python -m vlm_sft.report``) and the packing self-check
 (``python -m vlm_sft.check_packing``) all build through here, so they see exactly the same data and model.
 """
 

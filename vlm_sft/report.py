@@ -1,4 +1,4 @@
-"""Data report: ``python -m vlm_sft.data.report --config X [--section.field value ...] [--out report.json]``.
+"""Data report: ``python -m vlm_sft.report --config X [--section.field value ...] [--out report.json]``.
 
 Runs load, render, truncate and pack over one whole pass of the configured dataset without a model, prints a
 summary and writes JSON: samples seen / packed, skips by reason with example row indices, packs, real, trainable and
