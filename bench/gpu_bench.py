@@ -1,6 +1,6 @@
 """Training throughput and MFU of a randomly initialised Qwen3.5-0.8B-shaped model on one CUDA GPU, in bf16.
 
-    bash bench/gpu.sh                      (the whole GPU check: kernel exactness, then this)
+    bash bench/gpu.sh                      (the whole GPU check: kernel exactness, the trainer end to end, this)
     python bench/gpu_bench.py [--pack-len 8192] [--steps 8] [--modes bfd,stack] [--backends auto,torch]
     python bench/gpu_bench.py --smoke      (a CPU dry run of the same code on a shrunken shape)
 
@@ -38,6 +38,9 @@ from vlm_sft.model import build_model
 from vlm_sft.trainer.metrics import ModuleTimer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_bench.json"
+DEFAULTS = {"pack_len": 8192, "samples": 600, "warmup": 3, "steps": 8}
+SMOKE_DEFAULTS = {"pack_len": 1024, "samples": 24, "warmup": 1, "steps": 2}
+"""Sizes of a GPU run and of ``--smoke`` (CPU), each used where the command line leaves it unset."""
 
 
 def make_batches(samples, mode: str, *, pack_len: int, stack_rows: int, pad_id: int) -> list[PackedBatch]:
@@ -144,21 +147,23 @@ def run_mode(bench: Bench, batches: list[PackedBatch], warmup: int, steps: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pack-len", type=int, default=8192)
-    ap.add_argument("--samples", type=int, default=600)
+    ap.add_argument("--pack-len", type=int, help="tokens per packed row (default 8192; --smoke 1024)")
+    ap.add_argument("--samples", type=int, help="synthetic samples (default 600; --smoke 24)")
     ap.add_argument("--modes", default="bfd,stack")
     ap.add_argument("--stack-rows", type=int, default=2)
     ap.add_argument("--backends", default="auto", help="comma list: auto (fastest installed), torch (pure torch)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, help="untimed steps per row (default 3; --smoke 1)")
+    ap.add_argument("--steps", type=int, help="timed steps per row (default 8; --smoke 2)")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run on a shrunken shape (checks the script only)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS}; --smoke writes none unless given)")
     args = ap.parse_args()
+    for key, value in (SMOKE_DEFAULTS if args.smoke else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     config = qwen3_5_0_8b_config()
     if args.smoke:
         device = torch.device("cpu")
         config = shrink(config)
-        args.pack_len, args.samples, args.warmup, args.steps = 1024, 24, 1, 2
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or pass --smoke for a CPU dry run of the script")
     else:
@@ -172,7 +177,11 @@ def main() -> None:
         m: make_batches(samples, m, pack_len=args.pack_len, stack_rows=args.stack_rows, pad_id=pad_id)
         for m in args.modes.split(",")
     }
-    rows = []
+    targets = [args.out] if args.out is not None else ([] if args.smoke else [RESULTS])
+    if os.environ.get("OUT"):
+        targets.append(Path(os.environ["OUT"]) / "gpu_bench.json")
+    payload = {"device": name, "peak_flops": peak, "torch": torch.__version__, "pack_len": args.pack_len}
+    payload |= {"smoke": args.smoke, "complete": False, "rows": []}
     for backend in args.backends.split(","):
         bench = Bench(config, device, backend)
         chosen = bench.model.backends
@@ -181,7 +190,8 @@ def main() -> None:
             row = run_mode(bench, bs, args.warmup, args.steps, peak)
             row |= {"backend": backend, "mode": mode, "kernels": f"{chosen.attention}/{chosen.linear_attention}"}
             row["wall_s"] = time.perf_counter() - start
-            rows.append(row)
+            payload["rows"].append(row)
+            write_json(targets, payload, quiet=True)  # rows so far survive a time limit that stops the run
             print(f"  {backend} {mode}: {row['real_tok_s']:.0f} real tok/s ({row['wall_s']:.0f} s)", flush=True)
         del bench
         if device.type == "cuda":
@@ -190,34 +200,35 @@ def main() -> None:
     shape = "shrunken Qwen3.5-0.8B shape (--smoke)" if args.smoke else "Qwen3.5-0.8B shape"
     precision = "bf16 autocast" if device.type == "cuda" else "float32"
     print(f"\n{shape}, random init, {precision}, frozen vision, {args.pack_len}-token packs; {name}; {peak_text}")
+    print(format_rows(payload["rows"]))
+    payload["complete"] = True
+    write_json(targets, payload)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The results table (one line per backend x mode); ``bench/gpu_check.py`` prints it too."""
     header = (
         f"{'backend':<8} {'kernels':<20} {'mode':<6} {'rows x len':>11} {'real tok/s':>10} {'step ms':>8} "
         f"{'vis/txt/bwd/opt ms':>22} {'TFLOP/s':>8} {'MFU':>6} {'pad':>5} {'mem GiB':>8}"
     )
-    print(header + "\n" + "-" * len(header))
+    lines = [header, "-" * len(header)]
     for r in rows:
         split = "/".join(f"{r[k]:.0f}" for k in ("vision_ms", "text_forward_ms", "backward_ms", "optimizer_ms"))
         m = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
-        print(
+        lines.append(
             f"{r['backend']:<8} {r['kernels']:<20} {r['mode']:<6} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} "
             f"{r['step_ms']:>8.1f} {split:>22} {r['useful_tflop_s']:>8.1f} {m:>6} {r['padding_fraction']:>5.2f} {mem:>8}"
         )
-    payload = {
-        "device": name,
-        "peak_flops": peak,
-        "torch": torch.__version__,
-        "pack_len": args.pack_len,
-        "smoke": args.smoke,
-        "rows": rows,
-    }
-    targets = [args.out] if not args.smoke else []
-    if os.environ.get("OUT"):
-        targets.append(Path(os.environ["OUT"]) / "gpu_bench.json")
+    return "\n".join(lines)
+
+
+def write_json(targets: list[Path], payload: dict, *, quiet: bool = False) -> None:
     for target in targets:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {target}")
+        if not quiet:
+            print(f"wrote {target}")
 
 
 if __name__ == "__main__":
