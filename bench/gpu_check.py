@@ -123,7 +123,7 @@ def make_plan(smoke: bool, bench_extra: list[str]) -> Plan:
         caps = {"env": 60, "pytest": 60, "model": 60, "train": 120, "resume": 90, "reload": 60, "bench": 90}
     else:
         bench = ["--backends", "auto,torch"]
-        caps = {"env": 60, "pytest": 120, "model": 90, "train": 240, "resume": 150, "reload": 90, "bench": 180}
+        caps = {"env": 60, "pytest": 150, "model": 90, "train": 240, "resume": 150, "reload": 90, "bench": 180}
     return Plan(smoke, list(overrides), steps, save, [*bench, *bench_extra], caps)
 
 

@@ -300,7 +300,9 @@ def test_eval_peak_memory_fits_the_chunked_training_loss():
     chunk_logits_mb = chunk * QWEN3_5_VOCAB * 4 / 2**20  # 970 MB: one chunk's fp32 logits, what both must hold
     full_logits_mb = tokens * QWEN3_5_VOCAB * 4 / 2**20  # 3,880 MB
     assert got["eval_loss"] == pytest.approx(got["train_loss"], rel=1e-5)  # same tokens, same numbers
-    assert 0.9 * chunk_logits_mb <= got["eval_mb"] < got["train_mb"], got
+    # The lower bound only proves the measurement sees a chunk at all: ru_maxrss counts pages first touched after the
+    # baseline, and the allocator may hand back pages an earlier step already touched (812 MB of 970 seen under load).
+    assert 0.5 * chunk_logits_mb <= got["eval_mb"] < got["train_mb"], got
     assert got["eval_mb"] < 0.4 * full_logits_mb, got
 
 

@@ -1,10 +1,13 @@
 """Packing self-check: ``python -m vlm_sft.check_packing --config X [--section.field value ...]``.
 
-Builds the configured model on the configured backends, takes a few real packed rows from the configured data, and
-compares every sample's logits and loss gradient in the packed forward against the same sample run alone. Prints
-the max |delta| per op class (vision, conv, linear attention, attention, MLP) and exits non-zero over tolerance:
-a backend that lets packed samples see each other cannot train unnoticed. ``train.check_packing = true`` runs the
-same check at the start of training.
+Builds the configured model on the configured backends, takes the first packed rows of the configured data, and
+runs every sample both inside its packed row and alone, at the configured precision (``model.dtype``), next to a
+float64 reference of the sample alone on the pure-torch kernels. For the logits, the loss gradients and each op
+class (vision, conv, linear attention, attention, MLP) it prints the floor (the sample's own rounding noise:
+|alone - reference|), the leak (|packed - reference|) and their ratio. An exact packed row scores about 1; a backend
+that lets packed samples see each other scores tens to thousands. Exits 1 when the logits' or gradients' ratio is
+over the bound (default ``RATIO_BOUND``), 0 otherwise. ``train.check_packing = true`` runs the same check
+(``vlm_sft.trainer.self_check.run_packing_check``) at the start of training.
 """
 
 from __future__ import annotations
@@ -13,74 +16,27 @@ import argparse
 import logging
 import sys
 
-import torch
-
-from vlm_sft.config import RunConfig, config_from_cli
-from vlm_sft.data.mrope import sample_position_ids
-from vlm_sft.data.shift import ShiftedSample
-
-logger = logging.getLogger(__name__)
-
-DEFAULT_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
-"""Max |logit delta| allowed per dtype: fp32 paths agree to ~1e-6 on CPU; bf16 kernels round differently per shape."""
-
-
-def _as_sample_dict(s: ShiftedSample, device: torch.device, merge: int) -> dict:
-    """The sample's tensors on ``device``; its positions are built here, on the CPU, from CPU metadata."""
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
-    positions = sample_position_ids(s.mm_token_type_ids, s.image_grid_thw, spatial_merge_size=merge)
-    return {
-        "input_ids": move(s.input_ids),
-        "position_ids": move(positions),
-        "target_ids": move(s.target_ids),
-        "loss_mask": move(s.loss_mask),
-        "mm_token_type_ids": move(s.mm_token_type_ids),
-        "pixel_values": move(s.pixel_values),
-        "image_grid_thw": move(s.image_grid_thw),
-    }
-
-
-def run_packing_check(
-    cfg: RunConfig,
-    *,
-    model,
-    renderer,
-    source,
-    pad_id: int,
-    rows: int = 2,
-    max_samples_per_row: int = 8,
-    tol: float | None = None,
-):
-    """Check ``rows`` packs of the configured pipeline (first ``max_samples_per_row`` samples of each).
-
-    Returns the worst ``PackingReport`` (the one with the largest logit delta).
-    """
-    from vlm_sft.model.packing_check import check_packing
-    from vlm_sft.trainer.build import build_pipeline
-
-    del pad_id  # the check packs by plain concatenation: no padding segment is needed
-    tol = DEFAULT_TOL[cfg.model.dtype] if tol is None else tol
-    device = next(model.parameters()).device
-    pipeline = build_pipeline(cfg, source, renderer, epochs=1, packing="cat" if cfg.data.packing == "stack" else None)
-    worst = None
-    for _, pack in zip(range(rows), pipeline, strict=False):
-        merge = model.config.vision_config.spatial_merge_size
-        samples = [_as_sample_dict(s, device, merge) for s in pack.samples[:max_samples_per_row]]
-        autocast = cfg.model.dtype == "bfloat16" and device.type == "cuda"
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            report = check_packing(model, samples, tol=tol)
-        if worst is None or report.logits_delta > worst.logits_delta:
-            worst = report
-    if worst is None:
-        raise ValueError("the configured data produced no pack to check")
-    return worst
+from vlm_sft.config import config_from_cli
+from vlm_sft.model.packing_check import RATIO_BOUND
+from vlm_sft.trainer.self_check import run_packing_check
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=True)
-    parser.add_argument("--rows", type=int, default=2, help="packed rows to check")
-    parser.add_argument("--max-samples", type=int, default=8, help="samples per row")
-    parser.add_argument("--tol", type=float, default=None, help="max |logit delta| (default by dtype)")
+    parser = argparse.ArgumentParser(
+        prog="python -m vlm_sft.check_packing",
+        description="Packed rows vs each sample alone, on the configured model, kernels, precision and data. Prints "
+        "per op class, logits and gradients the floor (the sample's own rounding noise: |alone - float64 reference|), "
+        "the leak (|packed - reference|) and their ratio; exits 1 when a ratio is over the bound.",
+        epilog="Other arguments: --config X and config overrides (--section.field value).",
+    )
+    parser.add_argument("--rows", type=int, default=2, help="packed rows to check (default 2)")
+    parser.add_argument("--max-samples", type=int, default=8, help="samples per row (default 8)")
+    parser.add_argument(
+        "--bound",
+        type=float,
+        default=RATIO_BOUND,
+        help=f"largest leak / floor ratio that passes (default {RATIO_BOUND:g}; exact rows score ~1)",
+    )
     known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     cfg = config_from_cli(rest)
@@ -101,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         pad_id=int(processor.tokenizer.pad_token_id),
         rows=known.rows,
         max_samples_per_row=known.max_samples,
-        tol=known.tol,
+        bound=known.bound,
     )
     print(report.format())
     return 0 if report.ok else 1

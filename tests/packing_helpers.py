@@ -1,0 +1,74 @@
+"""Samples for the packing tests: text, images and padding segments as ``check_packing`` takes them (CPU tensors)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen3_5Config
+
+from vlm_sft.data.mrope import sample_position_ids
+
+TEXT_VOCAB = 2048
+"""Regular tokens drawn for samples (the tiny tokenizer's special ids sit above them)."""
+
+
+def make_sample(
+    cfg: Qwen3_5Config, n_before: int, grids: list[tuple[int, int, int]], n_after: int, gen: torch.Generator
+) -> dict:
+    """Text, then the images back to back (``<vision_start> slots <vision_end>`` each), then text; shifted targets."""
+    vcfg = cfg.vision_config
+    merge = vcfg.spatial_merge_size
+    ids = torch.randint(0, TEXT_VOCAB, (n_before,), generator=gen).tolist()
+    types = [0] * n_before
+    for t, h, w in grids:
+        n = t * h * w // merge**2
+        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id]
+        types += [0] + [1] * n + [0]
+    ids += torch.randint(0, TEXT_VOCAB, (n_after,), generator=gen).tolist()
+    types += [0] * n_after
+    input_ids = torch.tensor(ids)
+    mm = torch.tensor(types)
+    target_ids = torch.cat([input_ids[1:], torch.tensor([-100])])
+    loss_mask = (target_ids >= 0) & (torch.cat([mm[1:], torch.tensor([0])]) == 0)
+    grid = torch.tensor(grids, dtype=torch.long) if grids else None
+    n_patches = sum(t * h * w for t, h, w in grids)
+    patch_row = vcfg.in_channels * vcfg.temporal_patch_size * vcfg.patch_size**2
+    return {
+        "input_ids": input_ids,
+        "position_ids": sample_position_ids(mm, grid, spatial_merge_size=merge),
+        "mm_token_type_ids": mm,
+        "target_ids": target_ids,
+        "loss_mask": loss_mask,
+        "pixel_values": torch.randn(n_patches, patch_row, generator=gen) if grids else None,
+        "image_grid_thw": grid,
+    }
+
+
+def padding_segment(cfg: Qwen3_5Config, n: int) -> dict:
+    """A padding segment as the collator writes one: pad tokens, positions from 0, no loss."""
+    return {
+        "input_ids": torch.full((n,), cfg.text_config.pad_token_id),
+        "position_ids": torch.arange(n).expand(3, -1),
+        "mm_token_type_ids": torch.zeros(n, dtype=torch.long),
+        "target_ids": torch.full((n,), -100),
+        "loss_mask": torch.zeros(n, dtype=torch.bool),
+        "pixel_values": None,
+        "image_grid_thw": None,
+    }
+
+
+def mixed_row(cfg: Qwen3_5Config, seed: int = 1) -> list[dict]:
+    """Text-only, one-image and two-adjacent-image samples of 1, 2, 17, 3, 17, 64 and 65 tokens, then 7 of padding:
+    segments shorter than the conv kernel, one GatedDeltaNet chunk, a chunk and one token."""
+    gen = torch.Generator().manual_seed(seed)
+    out = [
+        make_sample(cfg, 1, [], 0, gen),
+        make_sample(cfg, 2, [], 0, gen),
+        make_sample(cfg, 5, [(1, 4, 4)], 6, gen),  # one image: 16 patches, 4 slots
+        make_sample(cfg, 3, [], 0, gen),
+        make_sample(cfg, 4, [(1, 2, 4), (1, 4, 2)], 5, gen),  # two adjacent images
+        make_sample(cfg, 64, [], 0, gen),
+        make_sample(cfg, 65, [], 0, gen),
+        padding_segment(cfg, 7),
+    ]
+    assert [len(s["input_ids"]) for s in out] == [1, 2, 17, 3, 17, 64, 65, 7]
+    return out
