@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json.
-# About 20 minutes on 2 cores; bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
+# About 35 minutes on 2 cores (the packing self-check calibration ~8); bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
 # SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,3 +13,4 @@ if [[ -z "${SKIP_LOSS_MEMORY:-}" ]]; then
   "$PY" bench/bench_loss_memory.py
 fi
 "$PY" bench/bench_train_throughput.py
+"$PY" bench/calibrate_packing_check.py
