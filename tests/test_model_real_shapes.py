@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packing_helpers import make_sample, padding_segment
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from processors.special_tokens import (
@@ -170,48 +171,6 @@ def pair(cfg):
 
 
 # ------------------------------------------------------------------------------------------------------ samples
-
-
-def make_sample(cfg, n_before: int, grids: list[tuple[int, int, int]], n_after: int, gen: torch.Generator) -> dict:
-    """Text, then the images back to back (``<vision_start> slots <vision_end>`` each), then text; shifted targets.
-
-    Same as ``make_sample`` in tests/test_model_packing.py (copied: that module imports the packing checker).
-    """
-    ids = torch.randint(0, VOCAB, (n_before,), generator=gen).tolist()
-    types = [0] * n_before
-    for t, h, w in grids:
-        n = t * h * w // MERGE**2
-        ids += [cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id]
-        types += [0] + [1] * n + [0]
-    ids += torch.randint(0, VOCAB, (n_after,), generator=gen).tolist()
-    types += [0] * n_after
-    input_ids = torch.tensor(ids)
-    mm = torch.tensor(types)
-    target_ids = torch.cat([input_ids[1:], torch.tensor([-100])])
-    loss_mask = (target_ids >= 0) & (torch.cat([mm[1:], torch.tensor([0])]) == 0)
-    grid = torch.tensor(grids, dtype=torch.long) if grids else None
-    n_patches = sum(t * h * w for t, h, w in grids)
-    return {
-        "input_ids": input_ids,
-        "position_ids": mrope_position_ids(mm, grid, torch.tensor([len(ids)]), spatial_merge_size=MERGE),
-        "mm_token_type_ids": mm,
-        "target_ids": target_ids,
-        "loss_mask": loss_mask,
-        "pixel_values": torch.randn(n_patches, PATCH_ROW, generator=gen) if grids else None,
-        "image_grid_thw": grid,
-    }
-
-
-def padding_segment(cfg, n: int) -> dict:
-    return {
-        "input_ids": torch.full((n,), cfg.text_config.pad_token_id),
-        "position_ids": torch.arange(n).expand(3, -1),
-        "mm_token_type_ids": torch.zeros(n, dtype=torch.long),
-        "target_ids": torch.full((n,), -100),
-        "loss_mask": torch.zeros(n, dtype=torch.bool),
-        "pixel_values": None,
-        "image_grid_thw": None,
-    }
 
 
 def packed_samples(cfg) -> list[dict]:
