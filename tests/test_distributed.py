@@ -43,13 +43,20 @@ COLLECTIVES = {
 # ------------------------------------------------------------------------------------ 1. the backend map
 
 
-def test_cuda_process_group_serves_cpu_and_cuda_tensors(monkeypatch):
-    """On a CUDA machine the group must have a CPU backend too: the trainer reduces host tensors."""
-    calls = []
+@pytest.fixture
+def group_calls(monkeypatch) -> list[dict]:
+    """A machine that looks like it has CUDA; records the arguments of every process-group creation."""
+    calls: list[dict] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    return calls
+
+
+def test_cuda_process_group_serves_cpu_and_cuda_tensors(monkeypatch, group_calls):
+    """On a CUDA machine the group must have a CPU backend too: the trainer reduces host tensors."""
+    calls = group_calls
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "3")
@@ -58,13 +65,9 @@ def test_cuda_process_group_serves_cpu_and_cuda_tensors(monkeypatch):
     assert [c["backend"] for c in calls] == ["cpu:gloo,cuda:nccl"]
 
 
-def test_one_gpu_gets_a_one_rank_group_and_the_cpu_none(monkeypatch):
+def test_one_gpu_gets_a_one_rank_group_and_the_cpu_none(monkeypatch, group_calls):
     """One GPU is sharded too (FSDP's bf16 mixed precision); a single CPU process has no group at all."""
-    calls = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
-    monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    calls = group_calls
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR"):
         monkeypatch.delenv(key, raising=False)
     env = distributed.init_distributed("auto")
