@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_sft.trainer.distributed import PeerFailure
     from vlm_sft.trainer.loop import train
 
+    is_main = os.environ.get("RANK", "0") == "0"
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         result = train(cfg)
@@ -27,9 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     except PeerFailure as err:  # another rank failed and printed why; rank 0 says where, the others stop quietly
-        if os.environ.get("RANK", "0") == "0":
+        if is_main:
             print(err, file=sys.stderr)
         return 1
+    if not is_main:  # every rank returns the same result; rank 0 reports it
+        return 0
     if result.last_eval:
         accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}
         print(f"final eval: loss {result.last_eval['eval_loss']:.4f}, accuracy {accs}")
