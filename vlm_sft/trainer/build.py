@@ -170,7 +170,7 @@ def build_model(cfg: RunConfig, device: torch.device):
         "activation_checkpointing": m.activation_checkpointing,
         "device": device,
     }
-    # bf16 runs keep fp32 master weights and compute under autocast (the trainer sets it up).
+    # bf16 runs keep fp32 master weights; FSDP2 mixed precision computes in bf16 (the trainer sets it up).
     if m.name_or_path == TINY_MODEL:
         torch.manual_seed(cfg.train.seed)
         return build_random(build_model_config(cfg), dtype=torch.float32, **kwargs)

@@ -31,7 +31,6 @@ def evaluate(
     *,
     env: DistEnv,
     sample_tasks: dict[int, str] | None = None,
-    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Eval loss and per-task accuracy over ``batches`` (this rank's share, CPU batches), reduced over all ranks.
 
@@ -54,9 +53,9 @@ def evaluate(
     try:
         for i in range(n_forwards):
             if i >= len(batches):
-                score_batch(model, filler_batch(), env.device, autocast_dtype=autocast_dtype)
+                score_batch(model, filler_batch(), env.device)
                 continue
-            scored = score_batch(model, batches[i], env.device, autocast_dtype=autocast_dtype)
+            scored = score_batch(model, batches[i], env.device)
             sums += torch.tensor([scored.loss_sum, scored.num_tokens], dtype=torch.float64)
             for sample in scored.samples:
                 for key in {tasks.get(sample.index, "all"), "all"}:

@@ -157,8 +157,9 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         sources = build.load_sources(cfg)
     with all_ranks_or_none(env, "building the model"):
         model = build.build_model(cfg, env.device)
+    pad_id = int(processor.tokenizer.pad_token_id)
     if cfg.train.check_packing:
-        _self_check(cfg, env, out_dir, model, renderer, sources, int(processor.tokenizer.pad_token_id))
+        _self_check(cfg, env, out_dir, model, renderer, sources, pad_id)
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = shard_model(model, env, param_dtype=compute_dtype)
     model.train()
@@ -166,7 +167,6 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
     step, data_state = _resume(cfg, env, out_dir, model, optimizer, scheduler)
-    pad_id = int(processor.tokenizer.pad_token_id)
     with all_ranks_or_none(env, "starting the data pipelines and the metrics"):
         train_batches = TrainBatches(
             functools.partial(

@@ -59,9 +59,7 @@ class BatchScores:
 
 
 @torch.no_grad()
-def score_batch(
-    model: nn.Module, batch: PackedBatch, device: torch.device, *, autocast_dtype: torch.dtype | None = None
-) -> BatchScores:
+def score_batch(model: nn.Module, batch: PackedBatch, device: torch.device) -> BatchScores:
     """Runs ``model`` on ``batch`` (the collator's CPU batch; moved to ``device`` here) and scores it on the CPU.
 
     One forward in scores mode, then one copy each of the per-token losses and argmax to the host.
@@ -72,8 +70,7 @@ def score_batch(
             "the device itself and keeps the CPU copy for the per-sample bookkeeping"
         )
     on_device = batch.to(device)
-    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        out = model(**on_device.model_kwargs(), scores=True)
+    out = model(**on_device.model_kwargs(), scores=True)  # bf16 runs compute in bf16 through FSDP's mixed precision
     nll, argmax = out.nll.cpu(), out.argmax.cpu()
     return BatchScores(
         nll=nll,
