@@ -296,8 +296,8 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
         run.step += 1
         train_time += stats.sections["step_time_s"]
         real_total += step_batches.real
-        for key, value in (("real", step_batches.real), ("time", stats.sections["step_time_s"])):
-            window[key] += value
+        window["real"] += step_batches.real
+        window["time"] += stats.sections["step_time_s"]
         window["flops"] += step_batches.flops
         if run.step % cfg.train.log_every == 0 or run.step == run.total_steps:
             _log_step(run, step_batches, stats, window, peak)
