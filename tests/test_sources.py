@@ -14,10 +14,11 @@ from PIL import Image
 
 from renderers import RenderError
 from renderers.images import content_hash, read_image_source
+from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.sources import (
     ConversationSource,
+    RowConverter,
     load_conversations,
-    load_json_normalized,
     normalize_row_for_arrow,
     render_fn,
     rows_to_dataset,
@@ -178,13 +179,12 @@ def test_mixed_rows_normalized_to_parquet_with_arrow_none_filling(renderer, data
         assert_same_render(renderer, source, i, row["messages"], row.get("tools"))
 
 
-def test_json_fallback_normalizes_rows(renderer, data_dir):
-    """The Python-side path used when Arrow cannot unify a json file's rows."""
-    path = write_jsonl(data_dir / "fallback.jsonl", MIXED_ROWS)
-    source = ConversationSource(load_json_normalized([path]), image_root=data_dir)
-    expected = absolute(MIXED_ROWS, data_dir)
-    for i, row in enumerate(expected):
-        assert_same_render(renderer, source, i, row["messages"], row.get("tools"))
+def test_jsonl_rows_are_stored_as_written(renderer, data_dir):
+    """json / jsonl rows are kept as JSON text: no Arrow type unification, no None-filling, no normalizing."""
+    source = load_conversations(write_jsonl(data_dir / "asis.jsonl", MIXED_ROWS), cache_dir=str(data_dir / "cache"))
+    assert source.json_rows and source.dataset.column_names != ["messages", "tools"]
+    assert [source.row(i) for i in range(len(source))] == MIXED_ROWS
+    assert source.column("tools") == [None, None, MIXED_ROWS[2]["tools"]] and source.column("task") is None
 
 
 SHAREGPT_ROWS = [
@@ -298,7 +298,7 @@ def test_messages_with_placeholder_blocks_and_images_column(renderer, data_dir):
             "images": [[red]],
         }
     ).cast_column("images", datasets.List(datasets.Image()))
-    source = ConversationSource(ds)
+    source = ConversationSource(ds, image_root=data_dir)
     sample = render_fn(source, renderer)(0)
     assert sample.num_images == 1
     expected = [
@@ -307,7 +307,8 @@ def test_messages_with_placeholder_blocks_and_images_column(renderer, data_dir):
     ]
     assert torch.equal(sample.token_ids, renderer.render(expected).token_ids)
     # one placeholder, two images: a counted error naming the row
-    bad = ConversationSource(datasets.Dataset.from_dict({"messages": ds["messages"], "images": [[red, green]]}))
+    rows = {"messages": ds["messages"], "images": [[red, green]]}
+    bad = ConversationSource(datasets.Dataset.from_dict(rows), image_root=data_dir)
     with pytest.raises(RenderError) as info:
         bad[0]
     assert info.value.reason == "image_count_mismatch" and info.value.sample_index == 0
@@ -349,3 +350,39 @@ def test_render_fn_pickles_for_dataloader_workers(renderer, data_dir):
     source = load_conversations(write_jsonl(data_dir / "p.jsonl", MESSAGE_ROWS), cache_dir=str(data_dir / "cache"))
     fn = pickle.loads(pickle.dumps(render_fn(source, renderer)))
     assert torch.equal(fn(0).token_ids, render_fn(source, renderer)(0).token_ids)
+
+
+def test_missing_local_file_is_not_looked_up_on_the_hub(tmp_path, monkeypatch):
+    """A local-looking name that does not exist fails at once; only an ``org/name`` id goes to ``load_dataset``."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    asked: list[str] = []
+
+    def hub(name, *args, **kwargs):
+        asked.append(name)
+        raise ConnectionError(f"Couldn't reach {name!r} on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("data/train.jsonl", "data/train", "train.parquet", "./rows", "~/no-such-folder-vlm-sft/x", "a.json"):
+        with pytest.raises(FileNotFoundError) as info:
+            load_conversations(name)
+        message = str(info.value)
+        assert str(Path(name).expanduser().absolute()) in message and "org/name" in message
+    assert asked == []
+    with pytest.raises(ConnectionError):
+        load_conversations("someorg/some-dataset")
+    assert asked == ["someorg/some-dataset"]
+
+
+def test_row_converter_detects_the_shape_per_row(data_dir):
+    """The conversion ``ConversationSource`` applies, usable on rows that come from elsewhere (a stream)."""
+    convert = pickle.loads(pickle.dumps(RowConverter(None, ImageRoots(data_dir))))
+    red = str(data_dir / "images" / "red.png")
+    assert convert(MESSAGE_ROWS[0], 7).messages[0]["content"][0]["image"] == red
+    sharegpt = convert(SHAREGPT_ROWS[0], 8)
+    assert sharegpt.index == 8 and sharegpt.messages[0]["content"][0] == {"type": "image", "image": red}
+    with pytest.raises(RenderError) as info:
+        convert({"prompt": "x"}, 9)
+    assert info.value.reason == "bad_message" and info.value.sample_index == 9
