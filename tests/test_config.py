@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from vlm_sft.config import DEFAULT_CONFIG, REPO_ROOT, ConfigError, load_config, parse_overrides, split_config_arg
+from vlm_sft.config import (
+    DEFAULT_CONFIG,
+    REPO_ROOT,
+    ConfigError,
+    RunConfig,
+    config_help,
+    load_config,
+    parse_overrides,
+    split_config_arg,
+)
 
 
 def test_default_config_is_debug_and_loads():
@@ -73,7 +84,9 @@ def test_split_config_arg():
         (["--model.dtype", "bfloat16"], "set model.dtype = 'float32'"),
         (["--train.max_steps", "none"], "set train.max_steps or train.epochs"),
         (["--train.epochs", "2"], "unset one of them"),
-        (["--train.warmup_steps", "5000"], "lower warmup_steps"),
+        (["--train.warmup_steps", "5", "--train.warmup_fraction", "0.1"], "both set; keep one"),
+        (["--train.warmup_fraction", "1"], "train.warmup_fraction"),
+        (["--train.max_step", "5"], "train.max_step: unknown setting; did you mean train.max_steps?"),
         (["--model.name_or_path", "Qwen/Qwen3.5-0.8B"], "only applies to the tiny preset"),
         (["--data.packing", "stack", "--data.max_image_patches_per_pack", "64"], "Unset it or choose packing"),
         (["--train.lrr", "1"], "train.lrr: unknown setting"),
@@ -94,3 +107,29 @@ def test_missing_file_and_bad_override_shape():
         load_config(None, ["--train.max_steps"])
     with pytest.raises(ConfigError, match="overrides look like"):
         load_config(None, ["train.max_steps", "3"])
+
+
+def test_warmup_longer_than_max_steps_loads():
+    """No longer refused at load: the schedule, which knows the run's length, clips it (tests/test_cli.py)."""
+    cfg = load_config(None, ["--train.max_steps", "20", "--train.warmup_steps", "5000"])
+    assert cfg.train.warmup_steps == 5000
+
+
+def _dotted_fields(model, prefix=""):
+    for name, field in model.model_fields.items():
+        yield f"{prefix}{name}"
+        sub = next(
+            (a for a in (field.annotation, *getattr(field.annotation, "__args__", ())) if hasattr(a, "model_fields")),
+            None,
+        )
+        if sub is not None:
+            yield from _dotted_fields(sub, f"{prefix}{name}.")
+
+
+def test_config_help_lists_every_field_once():
+    text = config_help()
+    fields = [f for f in _dotted_fields(RunConfig) if "." in f]
+    assert len(fields) > 50
+    for name in fields:
+        assert len(re.findall(rf"^  {re.escape(name)}: ", text, flags=re.M)) == 1, name
+    assert "  train.warmup_fraction: float | None = none\n      Linear warmup as a fraction" in text

@@ -12,22 +12,20 @@ over the bound (default ``RATIO_BOUND``), 0 otherwise. ``train.check_packing = t
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 
-from vlm_sft.config import config_from_cli
+from vlm_sft.config import cli_parser, parse_cli
 from vlm_sft.model.packing_check import RATIO_BOUND
 from vlm_sft.trainer.self_check import run_packing_check
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m vlm_sft.check_packing",
-        description="Packed rows vs each sample alone, on the configured model, kernels, precision and data. Prints "
-        "per op class, logits and gradients the floor (the sample's own rounding noise: |alone - float64 reference|), "
-        "the leak (|packed - reference|) and their ratio; exits 1 when a ratio is over the bound.",
-        epilog="Other arguments: --config X and config overrides (--section.field value).",
+    parser = cli_parser(
+        "python -m vlm_sft.check_packing",
+        "Packed rows vs each sample alone, on the configured model, kernels, precision and data. Prints per op\n"
+        "class, logits and gradients the floor (the sample's own rounding noise: |alone - float64 reference|), the\n"
+        "leak (|packed - reference|) and their ratio; exits 1 when a ratio is over the bound.",
     )
     parser.add_argument("--rows", type=int, default=2, help="packed rows to check (default 2)")
     parser.add_argument("--max-samples", type=int, default=8, help="samples per row (default 8)")
@@ -37,9 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         default=RATIO_BOUND,
         help=f"largest leak / floor ratio that passes (default {RATIO_BOUND:g}; exact rows score ~1)",
     )
-    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    known, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = config_from_cli(rest)
     if cfg is None:
         return 2
     from vlm_sft.trainer import build

@@ -7,10 +7,15 @@ the trainer, the data report and the packing check share.
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import json
+import re
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -20,6 +25,8 @@ TINY_MODEL = "tiny"
 """``model.name_or_path`` value that builds the offline tiny Qwen3.5 preset instead of loading a checkpoint."""
 SHAPES_DATASET = "shapes"
 """``data.source`` value that selects the embedded, generated shapes dataset."""
+DEFAULT_WARMUP_STEPS = 50
+"""Warmup steps when neither ``train.warmup_steps`` nor ``train.warmup_fraction`` is set."""
 
 
 class ConfigError(ValueError):
@@ -102,9 +109,25 @@ class DataConfig(_Section):
     """Which assistant turns are trained."""
     special_text: Literal["escape", "drop", "error"] = "escape"
     """What to do with special-token strings (e.g. ``<|image_pad|>``) typed in user text."""
-    num_workers: int = Field(0, ge=0, le=1)
-    """0: render and pack in the training process; 1: one worker process prefetches packed batches (the pipeline is
-    one deterministic stream, so one worker at most)."""
+    image_root: str | None = None
+    """Folder that relative image paths (and relative ``image_url``s) resolve against and that every image must lie
+    in; None: the data file's folder (for a hub dataset: no local images allowed outside ``allowed_image_roots``)."""
+    allowed_image_roots: list[str] = []
+    """Further folders images may be read from (absolute paths, symlink targets). Anything else is skipped as
+    ``image_outside_root`` without being opened."""
+    max_skip_fraction: float = Field(0.05, ge=0, le=1)
+    """Stop the run (with the skip report) when more than this fraction of the samples seen so far were skipped,
+    checked once ``skip_check_after`` samples were seen (or a whole pass, if shorter). 1 disables the check."""
+    skip_check_after: int = Field(200, ge=1)
+    """Samples each data shard (one worker of one rank) must see before ``max_skip_fraction`` is enforced."""
+    num_workers: int | None = Field(None, ge=0)
+    """Processes per rank that render and pack, each on a disjoint share of the rank's samples (0: in the training
+    process). None: one per spare core (at least 1 when the machine has a core beside each rank, at most 4)."""
+    prefetch_packs: int = Field(8, ge=1)
+    """Packs each worker prepares ahead of the training step (absorbs the ``bfd`` packer's refill bursts)."""
+    streaming: bool = False
+    """Read ``source`` as a ``datasets`` IterableDataset (parquet / jsonl shards or a hub id) instead of preparing it
+    on local disk; rows are visited in shard order (no global shuffle)."""
 
 
 class TrainConfig(_Section):
@@ -129,8 +152,12 @@ class TrainConfig(_Section):
     """Cosine floor as a fraction of ``lr``."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """Learning-rate shape after warmup."""
-    warmup_steps: int = Field(50, ge=0)
-    """Linear warmup steps."""
+    warmup_steps: int | None = Field(None, ge=0)
+    """Linear warmup steps (None: ``warmup_fraction``, or 50 when that is unset too). A count >= the run's steps is
+    cut to a tenth of the run, with a warning: the run's length is only known when the schedule is built."""
+    warmup_fraction: float | None = Field(None, ge=0, lt=1)
+    """Linear warmup as a fraction of the run's optimizer steps (rounded), so shorter runs keep the same shape.
+    Exclusive with ``warmup_steps``; a command-line override of either replaces the config file's other."""
     weight_decay: float = Field(0.01, ge=0)
     """AdamW decay, never applied to norms, biases and embeddings."""
     betas: tuple[float, float] = (0.9, 0.98)
@@ -153,6 +180,18 @@ class TrainConfig(_Section):
     """Extra metric sinks beside metrics.jsonl."""
     check_packing: bool = False
     """Run the packing self-check (packed vs per-sample logits and gradients) before training."""
+    log_all_ranks: bool = False
+    """Print INFO log lines on every rank (prefixed with the rank), not only on rank 0; other ranks always print
+    warnings and errors."""
+
+    @model_validator(mode="after")
+    def _check_warmup(self) -> TrainConfig:
+        if self.warmup_steps is not None and self.warmup_fraction is not None:
+            raise ConfigError(
+                f"train.warmup_steps ({self.warmup_steps}) and train.warmup_fraction ({self.warmup_fraction}) are "
+                "both set; keep one (on the command line: --train.warmup_steps none or --train.warmup_fraction none)"
+            )
+        return self
 
 
 class RunConfig(_Section):
@@ -185,10 +224,6 @@ class RunConfig(_Section):
         if t.max_steps is not None and t.epochs is not None:
             raise ConfigError(
                 f"train.max_steps ({t.max_steps}) and train.epochs ({t.epochs}) are both set; unset one of them"
-            )
-        if t.warmup_steps and t.max_steps is not None and t.warmup_steps >= t.max_steps:
-            raise ConfigError(
-                f"train.warmup_steps ({t.warmup_steps}) >= train.max_steps ({t.max_steps}); lower warmup_steps"
             )
         if m.name_or_path != TINY_MODEL and m.initializer_range is not None:
             raise ConfigError(
@@ -253,6 +288,23 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+ONE_SETTING_TWO_UNITS = (("train", "warmup_steps", "warmup_fraction"),)
+"""Field pairs that spell one setting in two units. An override of one replaces the file's other (``--train.warmup_steps
+10`` on a file that sets ``warmup_fraction`` means 10 steps); both set in the same place is a ConfigError."""
+
+
+def _drop_replaced(data: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without the fields whose other unit ``extra`` sets (see ``ONE_SETTING_TWO_UNITS``)."""
+    for section, a, b in ONE_SETTING_TWO_UNITS:
+        given = extra.get(section)
+        if not isinstance(given, dict) or not isinstance(data.get(section), dict):
+            continue
+        for new, old in ((a, b), (b, a)):
+            if given.get(new) is not None and old not in given:
+                data = {**data, section: {k: v for k, v in data[section].items() if k != old}}
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Load a TOML config (default ``configs/debug.toml``) and apply dotted overrides; raise ConfigError on problems."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
@@ -260,7 +312,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"config file {str(path)!r} not found; pass --config configs/debug.toml or another file")
     with path.open("rb") as f:
         data = tomllib.load(f)
-    data = _merge(data, parse_overrides(overrides or []))
+    extra = parse_overrides(overrides or [])
+    data = _merge(_drop_replaced(data, extra), extra)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
@@ -302,6 +355,90 @@ def config_from_cli(argv: list[str]) -> RunConfig | None:
         return None
 
 
+def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The parser every entry point starts from, so that ``-h`` / ``--help`` lists every config field.
+
+    An entry point adds its own options, then calls ``parse_cli``; the config arguments are not argparse options
+    (there are too many, and they nest), they pass through ``parse_known_args`` to ``config_from_cli``.
+    """
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        epilog=config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    default = DEFAULT_CONFIG.relative_to(REPO_ROOT)
+    parser.add_argument("--config", metavar="FILE", help=f"TOML config file (default {default}); the fields below")
+    return parser
+
+
+def parse_cli(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[argparse.Namespace, RunConfig | None]:
+    """The entry point's own options, and the config from ``--config`` plus overrides (None: error printed)."""
+    parser.usage = parser.format_usage().removeprefix("usage: ").strip() + " [--section.field VALUE ...]"
+    known, rest = parser.parse_known_args(argv)
+    return known, config_from_cli(rest if known.config is None else ["--config", known.config, *rest])
+
+
+def config_help() -> str:
+    """Every config field as ``--help`` lists it: dotted name, type, default and its docstring.
+
+    Generated from the models, so the help can never list a setting the loader refuses or miss one it accepts.
+    """
+    lines = ["config fields (TOML sections; override any of them on the command line as --section.field VALUE):"]
+    for name, field in RunConfig.model_fields.items():
+        lines += ["", f"[{name}]"]
+        _describe_fields(_section_model(field.annotation), f"{name}.", lines)
+    return "\n".join(lines)
+
+
+def _describe_fields(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
+    for name, field in model.model_fields.items():
+        sub = _section_model(field.annotation)
+        default = f"[{prefix}{name}] section" if isinstance(field.default, BaseModel) else _toml_text(field.default)
+        lines.append(f"  {prefix}{name}: {_type_name(field.annotation)} = {default}")
+        doc = " ".join((field.description or "").replace("``", "").split())
+        lines += textwrap.wrap(doc, width=116, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        if sub is not None:
+            _describe_fields(sub, f"{prefix}{name}.", lines)
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return re.sub(r"\b(?:typing|vlm_sft\.config)\.", "", str(annotation))
+
+
+def _toml_text(value: Any) -> str:
+    """A default as it is written in TOML (None, which TOML lacks, as on the command line: none)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool | str):
+        return json.dumps(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_text(v) for v in value) + "]"
+    return repr(value)
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (``VLMConfig`` for ``VLMConfig | None``), or None for a plain value."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """The closest field of the same section (``train.max_step`` -> ``; did you mean train.max_steps?``), or ""."""
+    model: type[BaseModel] | None = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        model = _section_model(field.annotation) if field is not None else None
+    if model is None:
+        return ""
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f"; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?" if close else ""
+
+
 def _explain(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
@@ -310,7 +447,8 @@ def _explain(err: ValidationError) -> str:
         if isinstance(ctx_err, ConfigError):
             lines.append(f"  {ctx_err}")
         elif e["type"] == "extra_forbidden":
-            lines.append(f"  {loc}: unknown setting (check the spelling; see vlm_sft/config.py for the fields)")
+            hint = _did_you_mean(e["loc"]) or " (python vlm_sft/train.py --help lists every field)"
+            lines.append(f"  {loc}: unknown setting{hint}")
         else:
             lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

@@ -1,13 +1,19 @@
-"""Metrics: one JSON line per logged step in ``metrics.jsonl``, a tqdm bar on rank 0, optional tensorboard / wandb."""
+"""Metrics: one JSON line per logged step in ``metrics.jsonl``, progress on rank 0, optional tensorboard / wandb.
+
+Progress is a tqdm bar in a terminal. Where stderr is a file or a pipe (a cluster job, ``nohup ... > log``) a bar
+redrawn per step would write a line per step; there progress is one plain line per metrics record instead.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from tqdm.auto import tqdm
@@ -24,8 +30,21 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+PROGRESS_FIELDS = (
+    ("loss", "loss", ".4f"),
+    ("lr", "lr", ".3g"),
+    ("grad_norm", "grad_norm", ".3g"),
+    ("tokens_per_s", "tok/s", ".0f"),
+)
+"""(record key, label, format) of the values in a plain progress line, in order."""
+
+
 class MetricsLogger:
-    """Writes metrics on rank 0 only; every other rank gets a silent logger with the same interface."""
+    """Writes metrics on rank 0 only; every other rank gets a silent logger with the same interface.
+
+    ``stream`` (default stderr) takes the progress; ``is_tty`` (default ``stream.isatty()``) picks the tqdm bar or
+    the plain lines. Both are parameters so that tests can drive either mode.
+    """
 
     def __init__(
         self,
@@ -36,9 +55,15 @@ class MetricsLogger:
         start_step: int = 0,
         report_to: list[str] = (),
         run_config: dict | None = None,
+        stream: TextIO | None = None,
+        is_tty: bool | None = None,
     ) -> None:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.stream = stream if stream is not None else sys.stderr
+        self.is_tty = self.stream.isatty() if is_tty is None else is_tty
+        self.total_steps = total_steps
+        self._start_step, self._t0 = start_step, time.perf_counter()
         self._bar = None
         self._sinks: list[Any] = []
         if not enabled:
@@ -48,7 +73,10 @@ class MetricsLogger:
             self.path.unlink()
         elif start_step > 0 and self.path.exists():
             self._truncate_after(start_step)
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+        if self.is_tty:
+            self._bar = tqdm(
+                total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=self.stream
+            )
         for sink in report_to:
             self._sinks.append(_make_sink(sink, Path(output_dir), run_config or {}))
 
@@ -71,11 +99,34 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         for sink in self._sinks:
             sink(record)
+        if not self.is_tty and "loss" in record and "step" in record:
+            self._print(self._progress_line(record))
+
+    def _progress_line(self, record: dict[str, Any]) -> str:
+        """``step 20/600 loss 1.2340 lr 0.001 grad_norm 0.5 tok/s 1234 elapsed 0:00:42 left 0:20:18``."""
+        step = int(record["step"])
+        parts = [f"step {step}/{self.total_steps}"]
+        for key, label, fmt in PROGRESS_FIELDS:
+            if isinstance(record.get(key), int | float):
+                parts.append(f"{label} {record[key]:{fmt}}")
+        elapsed = time.perf_counter() - self._t0
+        parts.append(f"elapsed {timedelta(seconds=round(elapsed))}")
+        if step > self._start_step:
+            left = elapsed / (step - self._start_step) * max(self.total_steps - step, 0)
+            parts.append(f"left {timedelta(seconds=round(left))}")
+        return " ".join(parts)
+
+    def _print(self, message: str) -> None:
+        print(message, file=self.stream, flush=True)
 
     def write(self, message: str) -> None:
         """Print a line without breaking the progress bar."""
-        if self.enabled:
-            tqdm.write(message)
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            tqdm.write(message, file=self.stream)
+        else:
+            self._print(message)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 from torch import nn
 
-from vlm_sft.config import TrainConfig
+from vlm_sft.config import DEFAULT_WARMUP_STEPS, TrainConfig
+
+logger = logging.getLogger(__name__)
 
 NO_DECAY_NAME_PARTS = ("embed_tokens", "pos_embed", "norm", "bias", "A_log", "dt_bias")
 """Parameters whose names contain one of these never decay: norms, biases, embeddings and the GDN decay terms."""
@@ -44,12 +47,40 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, 
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def resolve_warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
+    """The run's warmup length: ``warmup_fraction`` of ``total_steps`` (rounded), or ``warmup_steps`` (default 50).
+
+    Decided here because only the schedule knows the run's length (``train.epochs`` runs count their steps first).
+    A ``warmup_steps`` that is not shorter than the run would spend the whole run warming up (no decay; the peak lr
+    reached at the last step or never); it is cut to a tenth of the run, with one warning naming the values and the
+    fix.
+    """
+    if cfg.warmup_fraction is not None:
+        return round(cfg.warmup_fraction * total_steps)
+    steps = cfg.warmup_steps if cfg.warmup_steps is not None else DEFAULT_WARMUP_STEPS
+    if steps and steps >= total_steps:
+        clipped = total_steps // 10
+        origin = "" if cfg.warmup_steps is not None else ", the default"
+        logger.warning(
+            "train.warmup_steps (%d%s) >= the run's %d steps: warming up for %d steps (a tenth of the run) instead; "
+            "set train.warmup_fraction (e.g. 0.08) to scale warmup with the run's length",
+            steps,
+            origin,
+            total_steps,
+            clipped,
+        )
+        return clipped
+    return steps
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
+    """Warmup (``resolve_warmup_steps``) then ``cfg.schedule`` over ``total_steps`` optimizer steps."""
+    warmup = resolve_warmup_steps(cfg, total_steps)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda step: lr_factor(
             step,
-            warmup_steps=cfg.warmup_steps,
+            warmup_steps=warmup,
             total_steps=total_steps,
             schedule=cfg.schedule,
             min_lr_ratio=cfg.min_lr_ratio,
