@@ -14,7 +14,7 @@ from renderers.errors import RenderError
 from renderers.types import RenderedSample
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pack import Pack
-from vlm_sft.data.pipeline import PackingPipeline, summarize_pass
+from vlm_sft.data.pipeline import EmptyPassError, PackingPipeline, summarize_pass
 from vlm_sft.data.synthetic import SyntheticSource, compose_sample, random_spans
 
 L = 40
@@ -60,8 +60,12 @@ def test_every_sample_is_packed_once_or_skipped_with_a_reason(mode):
     assert len(packed) == len(set(packed)), "a sample was packed twice"
     assert pipe.samples_seen == 80 == len(packed) + pipe.skips.total
     assert skipped["corrupt_image"]["count"] == len([i for i in range(80) if i % 13 == 5])
-    for reason, entry in skipped.items():  # examples name real skipped rows, never a packed one
-        assert entry["examples"] and not set(entry["examples"]) & set(packed), reason
+    for reason, entry in skipped.items():  # examples name real skipped rows, never a packed one, with the detail
+        rows = {e["row"] for e in entry["examples"]}
+        assert rows and not rows & set(packed), reason
+        assert all(e["detail"] for e in entry["examples"]), reason
+    assert skipped["corrupt_image"]["examples"][0]["detail"] == "synthetic failure"
+    assert pipe.accounting.packed == len(packed) and pipe.accounting.buffered == 0 and pipe.accounting.passes == 1
     assert set(skipped) <= {
         "corrupt_image",
         "truncated_final_turn",
@@ -139,18 +143,26 @@ def test_resume_needs_a_deterministic_render_fn():
         flaky.load_state_dict(state)
 
 
-@pytest.mark.parametrize("shard_by", ["indices", "packs"])
-def test_shards_cover_the_data_once(shard_by):
+def test_shards_cover_the_data_once():
     world = 3
     single = [key(p) for p in make(50, packing="bfd", epochs=1)]
-    per_rank = [
-        [key(p) for p in make(50, packing="bfd", epochs=1, rank=r, world_size=world, shard_by=shard_by)]
-        for r in range(world)
-    ]
-    indices = sorted(i for packs in per_rank for k in packs for row in k[0] for i in row)
-    assert indices == sorted(i for k in single for row in k[0] for i in row)
-    if shard_by == "packs":  # rank r holds packs r, r + w, ... of the single-process stream
-        assert all(per_rank[r] == single[r::world] for r in range(world))
+    per_rank = [[key(p) for p in make(50, packing="bfd", epochs=1, rank=r, world_size=world)] for r in range(world)]
+    indices = [i for packs in per_rank for k in packs for row in k[0] for i in row]
+    assert len(indices) == len(set(indices))
+    assert sorted(indices) == sorted(i for k in single for row in k[0] for i in row)
+
+
+def test_a_pass_without_any_pack_is_an_error_not_an_endless_loop():
+    class AllBad:
+        def __call__(self, index):
+            raise RenderError("corrupt_image", f"image {index} is broken")
+
+    pipe = PackingPipeline(6, AllBad(), seq_len=L, pack_len=L, epochs=None)
+    with pytest.raises(EmptyPassError, match="corrupt_image"):
+        next(pipe)
+    empty_shard = make(2, epochs=None, rank=2, world_size=3)  # 2 samples, 3 shards: shard 2 holds none
+    with pytest.raises(EmptyPassError, match="no pack"):
+        next(empty_shard)
 
 
 def test_summary_accounts_for_the_whole_pass():

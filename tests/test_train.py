@@ -35,14 +35,17 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def one_rank_run(tmp_path_factory) -> Path:
-    """1 process x 4 micro-batches per step, 2 steps, with a held-out eval at the end."""
+    """1 process with 2 data workers x 4 micro-batches per step, 2 steps, with a held-out eval at the end."""
     tmp = tmp_path_factory.mktemp("one_rank")
-    run_training(tiny_run_args(tmp, **{"train.micro_batches": 4, "data.shapes.num_eval": 8}))
+    run_training(tiny_run_args(tmp, **{"train.micro_batches": 4, "data.shapes.num_eval": 8, "data.num_workers": 2}))
     return tmp / "run"
 
 
 def test_two_ranks_equal_one_rank_with_more_micro_batches(one_rank_run, tmp_path):
     """2 ranks x 2 micro-batches see the same packs per step as 1 rank x 4: same losses and parameters.
+
+    The pack stream depends on ranks x data workers only, so the 1-rank run has 2 workers and each rank here has
+    one share (packed in the training process).
 
     The 2-rank run has one held-out sample, so rank 1's share of eval packs is empty: it must still take part in
     eval (FSDP gathers parameters in every forward) instead of leaving rank 0 waiting."""
@@ -58,7 +61,11 @@ def test_two_ranks_equal_one_rank_with_more_micro_batches(one_rank_run, tmp_path
     wa, wb = _weights(one_rank_run), _weights(tmp_path / "run")
     assert wa.keys() == wb.keys()
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
-    assert worst <= 1e-5, worst
+    # The ranks sum the micro-batch gradients in another order (fp32 noise ~1e-7 relative). AdamW's first steps move
+    # every weight by about lr * g / (|g| + eps), so that noise reaches the weights only where |g| is near eps
+    # (1e-8; seen in the GatedDeltaNet decay gate). A bound of lr / 5 still fails when the packs differ, which moves
+    # most weights by up to lr; a wrong loss scale, to which AdamW is blind, fails the grad_norm check above.
+    assert worst <= 2e-4, worst
     assert all(torch.isfinite(t).all() for t in wa.values())
 
 
@@ -157,15 +164,21 @@ def test_mixed_modalities_across_ranks_finish(tmp_path, rank0, rank1):
 
 
 def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
-    common = {"train.max_steps": 12, "train.save_every": 3, "train.warmup_steps": 2, "data.shapes.num_train": 96}
+    common = {
+        "train.max_steps": 12,
+        "train.save_every": 3,
+        "train.warmup_steps": 2,
+        "data.shapes.num_train": 96,
+        "data.num_workers": 2,
+    }
     reference = tmp_path / "ref"
     run_training(tiny_run_args(reference, **common))
     expected = deterministic(read_metrics(reference / "run"))
 
     victim = tmp_path / "victim"
-    # The interrupted run prefetches batches in a worker process: its checkpoints must still hold the state of
-    # the last batch consumed, so both runs see the same stream.
-    args = tiny_run_args(victim, **common, **{"data.num_workers": 1})
+    # The interrupted run prefetches batches in 2 worker processes: its checkpoints must still hold the state of
+    # the last batch consumed from each, and which worker is next, so both runs see the same stream.
+    args = tiny_run_args(victim, **common)
     proc = subprocess.Popen(
         train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

@@ -26,6 +26,7 @@ def tiny_run_args(tmp: Path, **overrides: object) -> list[str]:
         "train.warmup_steps": 1,
         "train.log_every": 1,
         "train.eval_every": "none",
+        "data.num_workers": 0,
     }
     base.update(overrides)
     args: list[str] = []

@@ -2,13 +2,13 @@
 
 Runs load, render, truncate and pack over one whole pass of the configured dataset without a model, prints a
 summary and writes JSON: samples seen / packed, skips by reason with example row indices, packs, real, trainable and
-padding tokens, packing efficiency, images and patches per pack. Every sample is accounted for: seen == packed +
+padding tokens, packing efficiency, images and patches per pack; every skip reason is listed with example rows and
+the error's detail (which file, which line, what went wrong). Every sample is accounted for: seen == packed +
 skipped, or the report fails. Run it before spending GPU hours.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from vlm_sft.config import RunConfig, config_from_cli
+from vlm_sft.config import RunConfig, cli_parser, parse_cli
+from vlm_sft.data.accounting import format_skips
 from vlm_sft.data.pipeline import summarize_pass
 
 
@@ -27,10 +28,10 @@ def build_report(cfg: RunConfig, *, packing: str | None = None, progress: bool =
     processor = build.build_processor(cfg)
     renderer = build.build_renderer(cfg, processor)
     sources = build.load_sources(cfg)
-    bar = tqdm(total=len(sources.train), desc="rendering + packing", unit="sample", disable=not progress)
-    # One process over the whole stream: "indices" sharding turns on the pipeline's own accounting assertion.
+    total = None if isinstance(sources.train, build.StreamedSource) else len(sources.train)
+    bar = tqdm(total=total, desc="rendering + packing", unit="sample", disable=not progress)
     pipeline = build.build_pipeline(
-        cfg, sources.train, renderer, epochs=1, shuffle=False, packing=packing, shard_by="indices", progress=bar
+        cfg, sources.train, renderer, epochs=1, shuffle=False, packing=packing, progress=bar
     )
     summary = summarize_pass(pipeline)
     bar.close()
@@ -46,8 +47,7 @@ def format_report(report: dict) -> str:
         f"  samples packed    {report['samples_packed']:>10}",
         f"  samples skipped   {sum(v['count'] for v in report['skipped'].values()):>10}",
     ]
-    for reason, info in report["skipped"].items():
-        lines.append(f"    {reason:<28}{info['count']:>6}   e.g. rows {info['examples']}")
+    lines += format_skips(report["skipped"])
     lines += [
         f"  packs             {report['packs']:>10}",
         f"  real tokens       {report['real_tokens']:>10}",
@@ -61,11 +61,10 @@ def format_report(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli_parser("python -m vlm_sft.report", __doc__.split("\n\n")[1].replace("``", ""))
     parser.add_argument("--out", default=None, help="JSON path (default: <train.output_dir>/data_report.json)")
-    known, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    known, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING)
-    cfg = config_from_cli(rest)
     if cfg is None:
         return 2
     report = build_report(cfg)

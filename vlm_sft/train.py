@@ -1,7 +1,7 @@
 """Entry point: ``accelerate launch vlm_sft/train.py [--config configs/x.toml] [--section.field value ...]``.
 
 With no arguments it runs ``configs/debug.toml`` (tiny offline model, shapes dataset, CPU). Also runs under
-``torchrun`` and as plain ``python vlm_sft/train.py`` (one process).
+``torchrun`` and as plain ``python vlm_sft/train.py`` (one process). ``--help`` lists every config field.
 """
 
 from __future__ import annotations
@@ -10,18 +10,39 @@ import logging
 import os
 import sys
 
-from vlm_sft.config import ConfigError, config_from_cli
+from vlm_sft.config import ConfigError, cli_parser, parse_cli
+
+LOG_FORMAT = "%(asctime)s %(levelname)s {rank}%(name)s: %(message)s"
+"""Log line layout; ``{rank}`` is empty on rank 0 and ``[rank N] `` on the others."""
+
+
+def setup_logging(rank: int, *, all_ranks: bool = False) -> None:
+    """INFO on rank 0, WARNING on the other ranks unless ``all_ranks`` (``train.log_all_ranks``).
+
+    Every rank runs the same code, so without this a job of N processes prints every run summary N times. Warnings
+    and errors stay on every rank: they may be that rank's own. Sets the root level even when a handler exists
+    already (``basicConfig`` alone would then do nothing, e.g. under pytest or in a notebook).
+    """
+    logging.basicConfig(format=LOG_FORMAT.format(rank="" if rank == 0 else f"[rank {rank}] "))
+    logging.getLogger().setLevel(logging.INFO if rank == 0 or all_ranks else logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = config_from_cli(sys.argv[1:] if argv is None else argv)
+    parser = cli_parser("python vlm_sft/train.py", __doc__.replace("``", ""))
+    _, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     if cfg is None:
         return 2
+    from vlm_sft.data.pipeline import EmptyPassError, SkipFractionError
     from vlm_sft.trainer.distributed import PeerFailure
     from vlm_sft.trainer.loop import train
 
-    is_main = os.environ.get("RANK", "0") == "0"
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    rank = int(os.environ.get("RANK", "0"))  # set by torchrun / accelerate launch
+    is_main = rank == 0
+    setup_logging(rank, all_ranks=cfg.train.log_all_ranks)
+    if not sys.stderr.isatty():  # datasets' own bars would write a line per update into a job's log file
+        import datasets
+
+        datasets.disable_progress_bars()
     try:
         result = train(cfg)
     except ConfigError as err:  # settings that only fail against the machine or the data (e.g. bf16 without CUDA)
@@ -31,11 +52,20 @@ def main(argv: list[str] | None = None) -> int:
         if is_main:
             print(err, file=sys.stderr)
         return 1
+    except (SkipFractionError, EmptyPassError, FileNotFoundError) as err:  # the data, not the code: no traceback
+        print(f"data error: {err}", file=sys.stderr)
+        return 1
     if not is_main:  # every rank returns the same result; rank 0 reports it
         return 0
     if result.last_eval:
         accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}
         print(f"final eval: loss {result.last_eval['eval_loss']:.4f}, accuracy {accs}")
+    data = result.data
+    reasons = ", ".join(f"{reason} {info['count']}" for reason, info in data["skipped"].items()) or "none"
+    print(
+        f"data: {data['samples_seen']} samples seen, {data['samples_packed']} packed, {data['samples_skipped']} "
+        f"skipped ({reasons}); details in {cfg.train.output_dir}/data_accounting.json"
+    )
     print(
         f"finished {result.steps} steps in {result.wall_time_s:.1f} s ({result.real_tokens_per_s:.0f} real tokens/s); "
         f"checkpoint: {result.final_dir}"

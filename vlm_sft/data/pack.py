@@ -5,8 +5,9 @@ collator turns them into ``seq_lens``) so the model keeps them apart. The packer
 than the pack length is a ``SkipSample`` (``longer_than_pack``); truncation is the earlier, image-safe stage's job.
 
 - ``cat``: fill rows in arrival order; a sample that does not fit closes the row and starts the next.
-- ``bfd``: best-fit-decreasing over a bounded look-ahead buffer (``buffer_size`` samples): sort the buffer by length,
-  put each sample in the open row with the least room that still fits it, then emit the rows in a seeded order.
+- ``bfd``: best-fit-decreasing over a sliding look-ahead buffer (``buffer_size`` samples): sort the buffer by length,
+  put each sample in the open row with the least room that still fits it, emit the fullest row, and keep the rest for
+  the next arrivals (all rows, in a seeded order, at the end of the stream).
 - ``stack``: the padded baseline. Sort the buffer by length and cut it into batches of ``batch_size`` rows, one sample
   per row (so every multimodal sample is alone in its row), padded to the batch's longest sample.
 
@@ -248,12 +249,15 @@ class _BufferedPacker(Packer):
 
 
 class BFDPacker(_BufferedPacker):
-    """Best-fit-decreasing over a look-ahead buffer.
+    """Best-fit-decreasing over a sliding look-ahead buffer.
 
-    Each round sorts the buffer by length (longest first; ties by arrival) and places every sample in the open row
+    A decision sorts the buffer by length (longest first; ties by arrival) and places every sample in the open row
     with the least remaining room that still fits it (tokens and, with a cap, image patches), opening a row when none
-    does. Outside the final round, the least-filled row is not emitted: its samples stay in the buffer and meet the
-    next round's samples, so the bounded buffer does not leave one half-empty row behind per round.
+    does. While the stream runs, a decision is taken each time the buffer is full and emits only the fullest row; the
+    other samples stay buffered and meet the next arrivals. So a pack leaves after about one pack's worth of new
+    samples, at a steady pace: deciding a whole buffer at once would emit dozens of packs and then make the trainer
+    wait while the buffer refills from empty (measured: up to 2.2 s per step with 512 samples). The final decision
+    (``flush``, the end of an epoch) emits every row, in a seeded order.
     """
 
     def __init__(
@@ -269,6 +273,18 @@ class BFDPacker(_BufferedPacker):
         )
 
     def _group(self, buffer: list[ShiftedSample], *, final: bool) -> tuple[list[Pack], list[ShiftedSample]]:
+        members, room = self._best_fit(buffer)
+        if not final:
+            fullest = min(range(len(room)), key=lambda b: (room[b], b))
+            members = [members[fullest]]
+        taken = {i for m in members for i in m}
+        keep = [s for i, s in enumerate(buffer) if i not in taken]
+        # Within a row, samples keep arrival order (deterministic and independent of the sort's tie handling).
+        packs = [self._make_pack([[buffer[i] for i in sorted(m)]]) for m in members]
+        return packs, keep
+
+    def _best_fit(self, buffer: list[ShiftedSample]) -> tuple[list[list[int]], list[int]]:
+        """Rows (buffer positions per row) and their remaining room, best-fit-decreasing."""
         order = sorted(range(len(buffer)), key=lambda i: (-len(buffer[i]), i))
         room: list[int] = []
         patches: list[int] = []
@@ -287,13 +303,7 @@ class BFDPacker(_BufferedPacker):
             room[best] -= len(s)
             patches[best] += s.num_patches
             members[best].append(i)
-        keep: list[ShiftedSample] = []
-        if not final and len(members) > 1:
-            worst = max(range(len(room)), key=lambda b: (room[b], b))
-            keep = [buffer[i] for i in sorted(members.pop(worst))]
-        # Within a row, samples keep arrival order (deterministic and independent of the sort's tie handling).
-        packs = [self._make_pack([[buffer[i] for i in sorted(m)]]) for m in members]
-        return packs, keep
+        return members, room
 
 
 class StackPacker(_BufferedPacker):

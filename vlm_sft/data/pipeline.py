@@ -1,27 +1,28 @@
-"""The streaming, resumable packing pipeline over an indexable source, with full sample accounting.
+"""The streaming, resumable packing pipeline over a sample order, with full sample accounting.
 
-``PackingPipeline(num_samples, render_fn, seq_len=..., pack_len=...)`` iterates the source indices in a seeded order
-per epoch, renders each (``render_fn(index) -> RenderedSample``, which may raise ``SampleError``), truncates it
+``PackingPipeline(num_samples, render_fn, seq_len=..., pack_len=...)`` visits sample indices in a seeded order per
+epoch, renders each (``render_fn(index) -> RenderedSample``, which may raise ``SampleError``), truncates it
 image-safely to ``seq_len`` inputs, shifts it, and feeds the packer; iterating the pipeline yields ``Pack`` values
-(collate them into a ``PackedBatch`` with ``vlm_sft.data.collate.collate``). Every sample drawn from the source ends
-in exactly one pack or in the ``SkipReport`` with its reason.
+(collate them into a ``PackedBatch`` with ``vlm_sft.data.collate.collate``). Every sample drawn ends in exactly one
+pack or in the ``SkipReport`` with its reason and detail (``accounting``: seen == packed + skipped + buffered).
 
-Epochs: epoch ``e`` visits ``randperm(num_samples)`` drawn from ``seed + e`` (or ``0..n-1`` without shuffle); at the
-end of an epoch the packer is flushed, so the epoch's tail pack is emitted and no pack mixes two epochs.
-``epochs=None`` repeats forever.
+Where the indices come from is a ``SampleOrder``: ``IndexOrder`` (the default, built from ``num_samples``) for
+random-access datasets, or a streaming reader (``vlm_sft.data.streaming``) that numbers rows as it reads them.
+
+Epochs: epoch ``e`` of an ``IndexOrder`` visits ``randperm(num_samples)`` drawn from ``seed + e`` (or ``0..n-1``
+without shuffle); at the end of an epoch the packer is flushed, so the epoch's tail pack is emitted and no pack mixes
+two epochs. ``epochs=None`` repeats forever; a pass that yields no pack at all then raises ``EmptyPassError`` rather
+than looping forever.
+
+Sharding: shard ``rank`` of ``world_size`` takes positions ``rank, rank + w, ...`` of every epoch's order and packs
+its own share. The trainer gives every (rank, data worker) pair its own shard: shard ``rank * workers + worker`` of
+``world_size * workers``, so the pack stream depends on that product only (2 ranks x 1 worker packs exactly what
+1 rank x 2 workers packs).
 
 Resume: ``state_dict()`` is small (ints and lists of sample indices: epoch, position in the epoch's order, the packer's
-decided-but-unyielded packs and undecided buffer, its round counter, the skip report); ``load_state_dict()`` re-renders
-the buffered samples by index, so a restored pipeline yields exactly the packs an uninterrupted one would have yielded
-next. This needs ``render_fn`` to be deterministic per index (seed any augmentation by index and epoch).
-
-Sharding for distributed training (``rank`` of ``world_size``; DataLoader workers count as further ranks:
-``rank * num_workers + worker_id`` of ``world_size * num_workers``):
-- ``shard_by="indices"`` (default): every rank draws the same epoch order and takes positions ``rank, rank + w, ...``
-  of it, then packs its own share. Render cost is split w ways; ranks may end an epoch with a pack more or less, so
-  a trainer that needs equal step counts should run steps-based with ``epochs=None``.
-- ``shard_by="packs"``: every rank runs the whole pipeline and keeps packs ``rank, rank + w, ...`` of the global pack
-  sequence: the union over ranks is exactly the single-process stream, at w times the render cost.
+decided-but-unyielded packs and undecided buffer, its round counter, the accounting); ``load_state_dict()``
+re-renders the buffered samples by index, so a restored pipeline yields exactly the packs an uninterrupted one would
+have yielded next. This needs ``render_fn`` to be deterministic per index (seed any augmentation by index and epoch).
 """
 
 from __future__ import annotations
@@ -29,56 +30,92 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import torch
 
 from renderers.errors import SampleError
 from renderers.types import RenderedSample
+from vlm_sft.data.accounting import DataAccounting, SkipReport
 from vlm_sft.data.pack import Pack, PackingMode, make_packer
 from vlm_sft.data.shift import ShiftedSample, shift_sample
 from vlm_sft.data.truncate import TruncationPolicy, truncate_sample
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
-@dataclass
-class SkipReport:
-    """Skipped samples by reason: a count and the first few dataset indices of each (mutable accumulator)."""
+class EmptyPassError(RuntimeError):
+    """A whole pass over a shard produced no pack: every sample was skipped, or the shard holds no samples."""
 
-    counts: dict[str, int] = field(default_factory=dict)
-    """reason -> number of skipped samples."""
-    examples: dict[str, list[int]] = field(default_factory=dict)
-    """reason -> up to ``max_examples`` dataset indices, in the order they were skipped."""
-    max_examples: int = 5
-    """How many example indices to keep per reason."""
 
-    def add(self, err: SampleError) -> None:
-        self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
-        ex = self.examples.setdefault(err.reason, [])
-        if len(ex) < self.max_examples:
-            ex.append(err.sample_index)
+class SkipFractionError(RuntimeError):
+    """More of the samples seen than ``max_skip_fraction`` were skipped: the data (or its image folder) is broken."""
 
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
 
-    def to_dict(self) -> dict[str, dict]:
-        """``{reason: {"count": n, "examples": [indices]}}``, most frequent first."""
-        order = sorted(self.counts, key=lambda r: (-self.counts[r], r))
-        return {r: {"count": self.counts[r], "examples": list(self.examples.get(r, []))} for r in order}
+class SampleOrder(Protocol):
+    """Which sample index a shard visits at each position of each epoch (and how to restore a reader on resume)."""
 
-    def load(self, state: dict[str, dict]) -> None:
-        self.counts = {r: int(v["count"]) for r, v in state.items()}
-        self.examples = {r: [int(i) for i in v["examples"]] for r, v in state.items()}
+    def index_at(self, epoch: int, position: int) -> int | None:
+        """The index at ``position`` of ``epoch``, or None when the epoch has no more samples (positions are asked
+        for in increasing order within an epoch)."""
+
+    def fingerprint(self) -> dict:
+        """Settings that must match for a saved state to be valid."""
+
+    def state_dict(self, live: Sequence[int]) -> dict:
+        """Reader state; ``live`` are the indices still held by the packer (rendered again on resume)."""
+
+    def load_state_dict(self, state: dict, *, epoch: int, position: int, live: Sequence[int]) -> None:
+        """Prepare to continue at ``position`` of ``epoch`` and to render the ``live`` indices once more."""
+
+
+class IndexOrder:
+    """Random-access datasets: a seeded permutation of ``0..num_samples-1`` per epoch, this shard's positions of it."""
+
+    def __init__(self, num_samples: int, *, shuffle: bool, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        self.num_samples, self.shuffle, self.seed = num_samples, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self._cache: tuple[int, list[int]] | None = None
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """This shard's indices for ``epoch``, in visiting order."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        if self.shuffle:
+            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.arange(self.num_samples)
+        result = order[self.rank :: self.world_size].tolist()
+        self._cache = (epoch, result)
+        return result
+
+    def index_at(self, epoch: int, position: int) -> int | None:
+        order = self.epoch_order(epoch)
+        return order[position] if position < len(order) else None
+
+    def fingerprint(self) -> dict:
+        return {
+            "num_samples": self.num_samples,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
+
+    def state_dict(self, live: Sequence[int]) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict, *, epoch: int, position: int, live: Sequence[int]) -> None:
+        pass
 
 
 class PackingPipeline:
-    """Render -> truncate -> shift -> pack over ``num_samples`` indices; an iterator of ``Pack`` (module docstring)."""
+    """Render -> truncate -> shift -> pack over a sample order; an iterator of ``Pack`` (module docstring)."""
 
     def __init__(
         self,
@@ -98,31 +135,29 @@ class PackingPipeline:
         epochs: int | None = 1,
         rank: int = 0,
         world_size: int = 1,
-        shard_by: Literal["indices", "packs"] = "indices",
+        order: SampleOrder | None = None,
+        max_skip_fraction: float | None = None,
+        skip_check_after: int = 200,
     ) -> None:
         if seq_len is not None and seq_len > pack_len:
             raise ValueError(
                 f"seq_len={seq_len} > pack_len={pack_len}: a truncated sample would still not fit a pack; "
                 "set seq_len <= pack_len"
             )
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
-        if shard_by not in ("indices", "packs"):
-            raise ValueError(f"shard_by={shard_by!r}: use 'indices' or 'packs'")
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs={epochs}: use None (forever) or >= 1")
-        self.num_samples = num_samples
+        self.order = order or IndexOrder(num_samples, shuffle=shuffle, seed=seed, rank=rank, world_size=world_size)
+        """Where the sample indices come from."""
         self.render_fn = render_fn
         self.seq_len = seq_len
         self.pack_len = pack_len
         self.packing = packing
         self.truncation = truncation
-        self.shuffle = shuffle
-        self.seed = seed
         self.epochs = epochs
-        self.rank = rank
-        self.world_size = world_size
-        self.shard_by = shard_by
+        self.max_skip_fraction = max_skip_fraction
+        """Raise ``SkipFractionError`` when more than this fraction of the samples seen were skipped (None: never)."""
+        self.skip_check_after = skip_check_after
+        """Samples to see before the fraction is checked (a whole pass counts too, if it is shorter)."""
         self.packer = make_packer(
             packing,
             pack_len,
@@ -132,13 +167,19 @@ class PackingPipeline:
             pad_multiple=pad_multiple,
             max_image_patches_per_pack=max_image_patches_per_pack,
         )
-        self.skips = SkipReport()
-        self.samples_seen = 0
-        """Samples drawn from the source so far (this rank's share), over all epochs."""
+        self.accounting = DataAccounting()
+        """Samples seen / packed / skipped (with reasons and examples) by this pipeline, over all epochs."""
         self._epoch = 0
         self._pos = 0
-        self._packs_seen = 0
-        self._order_cache: tuple[int, list[int]] | None = None
+        self._epoch_packs = 0
+
+    @property
+    def skips(self) -> SkipReport:
+        return self.accounting.skips
+
+    @property
+    def samples_seen(self) -> int:
+        return self.accounting.seen
 
     # -- per sample -----------------------------------------------------------------------------------------------
     def prepare(self, index: int) -> ShiftedSample:
@@ -155,20 +196,6 @@ class PackingPipeline:
                 raise
             raise err.with_index(index) from err
 
-    def epoch_order(self, epoch: int) -> list[int]:
-        """This rank's source indices for ``epoch``, in visiting order."""
-        if self._order_cache is not None and self._order_cache[0] == epoch:
-            return self._order_cache[1]
-        if self.shuffle:
-            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-        else:
-            order = torch.arange(self.num_samples)
-        if self.shard_by == "indices":
-            order = order[self.rank :: self.world_size]
-        result = order.tolist()
-        self._order_cache = (epoch, result)
-        return result
-
     # -- iteration ------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Pack]:
         return self
@@ -177,27 +204,48 @@ class PackingPipeline:
         while True:
             pack = self.packer.pop()
             if pack is not None:
-                k = self._packs_seen
-                self._packs_seen += 1
-                if self.shard_by == "packs" and k % self.world_size != self.rank:
-                    continue
+                self._epoch_packs += 1
+                self.accounting.packed += len(pack.samples)
                 return pack
             if self.epochs is not None and self._epoch >= self.epochs:
                 raise StopIteration
-            order = self.epoch_order(self._epoch)
-            if self._pos < len(order):
-                index = order[self._pos]
+            index = self.order.index_at(self._epoch, self._pos)
+            if index is not None:
                 self._pos += 1
-                self.samples_seen += 1
+                self.accounting.seen += 1
                 try:
                     self.packer.push(self.prepare(index))
                 except SampleError as err:
-                    self.skips.add(err)
+                    self.accounting.skips.add(err)
+                    self._check_skips(self.accounting.seen >= self.skip_check_after)
                 continue
             self.packer.flush()
             if self.packer.num_pending == 0:
-                self._epoch += 1
-                self._pos = 0
+                self._check_skips(True)
+                self._end_epoch()
+
+    def _check_skips(self, enough_seen: bool) -> None:
+        a, limit = self.accounting, self.max_skip_fraction
+        if limit is None or not enough_seen or a.skip_fraction <= limit:
+            return
+        raise SkipFractionError(
+            f"{a.skipped} of the {a.seen} samples seen so far ({100 * a.skip_fraction:.1f}%) were skipped, more "
+            f"than data.max_skip_fraction = {limit}:\n{a.format('data shard ' + str(self.order.fingerprint()))}\n"
+            "Fix the rows above (python -m vlm_sft.report lists every skip of the whole dataset), or raise "
+            "data.max_skip_fraction (1 disables the check)"
+        )
+
+    def _end_epoch(self) -> None:
+        if self._epoch_packs == 0 and self.epochs is None:
+            raise EmptyPassError(
+                f"shard {self._fingerprint()['order']}: a whole pass produced no pack "
+                f"({self._pos} samples in the pass).\n{self.accounting.format('this shard')}\n"
+                "Fix the skipped rows, or use fewer data workers / ranks than usable samples"
+            )
+        self._epoch += 1
+        self._pos = 0
+        self._epoch_packs = 0
+        self.accounting.end_pass()
 
     @property
     def epoch(self) -> int:
@@ -206,28 +254,24 @@ class PackingPipeline:
     # -- state ----------------------------------------------------------------------------------------------------
     def _fingerprint(self) -> dict:
         return {
-            "num_samples": self.num_samples,
+            "order": self.order.fingerprint(),
             "seq_len": self.seq_len,
             "pack_len": self.pack_len,
             "packing": self.packing,
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "shard_by": self.shard_by,
         }
 
     def state_dict(self) -> dict:
-        """Where the stream stands, as plain ints and lists of sample indices (never tensors)."""
+        """Where the stream stands, as plain ints, strings and lists of sample indices (never tensors)."""
+        packer = self.packer.state_dict()
         return {
             "version": STATE_VERSION,
             "config": self._fingerprint(),
             "epoch": self._epoch,
             "position": self._pos,
-            "samples_seen": self.samples_seen,
-            "packs_seen": self._packs_seen,
-            "packer": self.packer.state_dict(),
-            "skips": self.skips.to_dict(),
+            "epoch_packs": self._epoch_packs,
+            "packer": packer,
+            "order": self.order.state_dict(_live_indices(packer)),
+            "accounting": self.accounting.to_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -241,10 +285,10 @@ class PackingPipeline:
             raise ValueError(f"pipeline state was saved with other settings (now, saved): {mismatch}")
         self._epoch = int(state["epoch"])
         self._pos = int(state["position"])
-        self.samples_seen = int(state["samples_seen"])
-        self._packs_seen = int(state["packs_seen"])
-        self.skips = SkipReport()
-        self.skips.load(state["skips"])
+        self._epoch_packs = int(state["epoch_packs"])
+        self.accounting = DataAccounting.from_dict(state["accounting"])
+        live = _live_indices(state["packer"])
+        self.order.load_state_dict(state["order"], epoch=self._epoch, position=self._pos, live=live)
         self.packer.load_state_dict(state["packer"], self._rebuild)
 
     def _rebuild(self, index: int) -> ShiftedSample:
@@ -255,6 +299,12 @@ class PackingPipeline:
                 f"sample {index} was accepted before the checkpoint but now fails ({err}); "
                 "render_fn must be deterministic per index for an exact resume"
             ) from err
+
+
+def _live_indices(packer_state: dict) -> list[int]:
+    """Every sample index a packer state holds: decided packs not yet popped, then the undecided buffer."""
+    live = [i for pack in packer_state["pending"] for row in pack for i in row]
+    return live + list(packer_state.get("buffer", packer_state.get("open", [])))
 
 
 def _with_index(sample: RenderedSample, index: int) -> RenderedSample:
@@ -281,12 +331,12 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
         images += pack.num_images
         packed += len(pack.samples)
         patches.append(pack.num_patches)
-    if pipeline.shard_by == "indices":
-        assert pipeline.samples_seen == packed + pipeline.skips.total, "a sample was lost or counted twice"
+    accounting = pipeline.accounting
+    assert accounting.buffered == 0 and accounting.packed == packed, "a sample was lost or counted twice"
     return {
-        "samples_seen": pipeline.samples_seen,
+        "samples_seen": accounting.seen,
         "samples_packed": packed,
-        "skipped": pipeline.skips.to_dict(),
+        "skipped": accounting.skips.to_dict(),
         "packs": packs,
         "rows": rows,
         "pack_len": pipeline.pack_len,

@@ -17,9 +17,11 @@ from transformers import Qwen3_5Config
 from processors import load_processor, load_tiny_processor
 from renderers import RenderedSample, get_renderer
 from vlm_sft.config import SHAPES_DATASET, TINY_MODEL, ConfigError, RunConfig
+from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.shapes import materialize_shapes
-from vlm_sft.data.sources import ConversationSource, load_conversations, render_fn
+from vlm_sft.data.sources import ConversationSource, RowConverter, hub_cache_roots, load_conversations, render_fn
+from vlm_sft.data.streaming import StreamingRows, local_files
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +51,48 @@ def build_renderer(cfg: RunConfig, processor: Any):
 
 
 @dataclass(frozen=True)
+class StreamedSource:
+    """A ``data.streaming`` source: rows are read while training (``StreamingRows``), never prepared on local disk."""
+
+    path: str
+    """Local parquet / jsonl file or folder of shards, or a hub dataset id."""
+    split: str
+    """Split of a hub dataset."""
+    images: ImageRoots
+    """Where its images may be read from (by default the data folder; for a hub dataset its caches)."""
+
+    @classmethod
+    def open(cls, cfg: RunConfig) -> StreamedSource:
+        """Checks the local files now (a missing one is an error at start-up, not in a data worker)."""
+        d = cfg.data
+        files = local_files(d.source)
+        allowed = tuple(d.allowed_image_roots)
+        if files is None:
+            root, allowed = d.image_root, allowed + hub_cache_roots(None)
+        else:
+            folder = Path(d.source).expanduser()
+            root = d.image_root or str(folder if folder.is_dir() else folder.parent)
+        return cls(d.source, d.split, ImageRoots(root, allowed))
+
+
+@dataclass(frozen=True)
+class _RenderRow:
+    """A streamed row -> ``RenderedSample`` (the same conversion and image policy as a prepared source)."""
+
+    convert: RowConverter
+    renderer: Any
+
+    def __call__(self, row: dict, index: int) -> RenderedSample:
+        conversation = self.convert(row, index)
+        return self.renderer.render(conversation.messages, tools=conversation.tools, sample_index=index)
+
+
+@dataclass(frozen=True)
 class DataSources:
     """Training and held-out conversations, with the eval task of each held-out row when the data has one."""
 
-    train: ConversationSource
-    """Training rows."""
+    train: ConversationSource | StreamedSource
+    """Training rows (read while training with ``data.streaming``)."""
     eval: ConversationSource | None
     """Held-out rows, or None when the config names none."""
     eval_tasks: dict[int, str]
@@ -80,12 +119,16 @@ def load_sources(cfg: RunConfig) -> DataSources:
         train_path, eval_path = shapes["train"], (shapes["eval"] if d.shapes.num_eval else None)
     else:
         train_path, eval_path = d.source, d.eval_source
-    train = load_conversations(train_path, split=d.split)
-    held = load_conversations(eval_path, split=d.split) if eval_path is not None else None
-    tasks: dict[int, str] = {}
-    if held is not None and "task" in held.dataset.column_names:
-        tasks = {i: str(t) for i, t in enumerate(held.dataset["task"])}
-    logger.info("data: %d training rows from %s, %d held-out", len(train), train_path, len(held) if held else 0)
+    roots = {"image_root": d.image_root, "allowed_image_roots": tuple(d.allowed_image_roots)}
+    if d.streaming and shapes is None:
+        train = StreamedSource.open(cfg)
+    else:
+        train = load_conversations(train_path, split=d.split, **roots)
+    held = load_conversations(eval_path, split=d.split, **roots) if eval_path is not None else None
+    task_column = held.column("task") if held is not None else None
+    tasks = {i: str(t) for i, t in enumerate(task_column or []) if t is not None}
+    rows = "streamed" if isinstance(train, StreamedSource) else str(len(train))
+    logger.info("data: %s training rows from %s, %d held-out", rows, train_path, len(held) if held else 0)
     return DataSources(train=train, eval=held, eval_tasks=tasks)
 
 
@@ -111,28 +154,37 @@ class _RequireVLM:
 
 def build_pipeline(
     cfg: RunConfig,
-    source: ConversationSource,
+    source: ConversationSource | StreamedSource,
     renderer: Any,
     *,
-    rank: int = 0,
-    world_size: int = 1,
+    shard: int = 0,
+    num_shards: int = 1,
     epochs: int | None,
     shuffle: bool | None = None,
     packing: str | None = None,
-    shard_by: str = "packs",
     progress: Any = None,
+    check_skips: bool = False,
 ) -> PackingPipeline:
-    """The packing pipeline of ``source``. Ranks split the global pack stream (``shard_by="packs"``).
-
-    Rank ``r`` of ``w`` takes packs ``r, r + w, ...`` of the stream a single process would produce, so the packs of
-    one optimizer step are the same whatever the world size (the 2-rank vs 1-rank equivalence relies on it). Each
-    rank renders the whole stream; see the pipeline module for the cheaper ``indices`` sharding. ``progress`` (a
-    tqdm bar) is advanced once per rendered sample.
-    """
+    """The packing pipeline of shard ``shard`` of ``num_shards`` of ``source`` (positions ``shard, shard + n, ...`` of
+    each epoch's order). ``progress`` (a tqdm bar) is advanced once per rendered sample. ``check_skips`` (training)
+    stops the pipeline when more than ``data.max_skip_fraction`` of its samples are skipped; the data report, which
+    exists to list the skips, leaves it off."""
     d = cfg.data
+    limit = d.max_skip_fraction if check_skips and d.max_skip_fraction < 1 else None
+    shuffle = d.shuffle if shuffle is None else shuffle
+    order = None
+    if isinstance(source, StreamedSource):
+        convert = _RenderRow(RowConverter(None, source.images), renderer)
+        order = StreamingRows(
+            source.path, row_to_sample=convert, shard=shard, num_shards=num_shards, split=source.split,
+            shuffle_files=shuffle, seed=cfg.train.seed,
+        )  # fmt: skip
+        render = order
+    else:
+        render = render_fn(source, renderer)
     return PackingPipeline(
-        len(source),
-        _RequireVLM(render_fn(source, renderer), cfg.model.vlm is not None, progress),
+        0 if order is not None else len(source),
+        _RequireVLM(render, cfg.model.vlm is not None, progress),
         seq_len=d.seq_len,
         pack_len=d.pack_len,
         packing=packing or d.packing,
@@ -140,13 +192,39 @@ def build_pipeline(
         buffer_size=d.bfd_buffer,
         max_image_patches_per_pack=d.max_image_patches_per_pack,
         truncation=d.truncation,
-        shuffle=d.shuffle if shuffle is None else shuffle,
+        shuffle=shuffle,
         seed=cfg.train.seed,
         epochs=epochs,
-        rank=rank,
-        world_size=world_size,
-        shard_by=shard_by,
+        rank=shard,
+        world_size=num_shards,
+        order=order,
+        max_skip_fraction=limit,
+        skip_check_after=d.skip_check_after,
     )
+
+
+@dataclass(frozen=True)
+class TrainPipelines:
+    """``(share, shares) -> pipeline`` for one rank's training data (picklable: data workers build their own).
+
+    Rank ``r`` of ``w`` with ``n`` shares gives share ``k`` the shard ``r * n + k`` of ``w * n``: the union of all
+    packs is the same for any split of ``w * n`` into ranks and workers, so 2 ranks x 1 worker train on exactly the
+    packs of 1 rank x 2 workers."""
+
+    cfg: RunConfig
+    source: ConversationSource | StreamedSource
+    renderer: Any
+    rank: int
+    world_size: int
+    epochs: int | None = None
+    """Passes before the stream ends (None: forever, as in training; counting the steps of an epochs-run sets it)."""
+
+    def __call__(self, share: int, shares: int) -> PackingPipeline:
+        shard, num_shards = self.rank * shares + share, self.world_size * shares
+        return build_pipeline(
+            self.cfg, self.source, self.renderer, shard=shard, num_shards=num_shards, epochs=self.epochs,
+            check_skips=True,
+        )  # fmt: skip
 
 
 def build_model(cfg: RunConfig, device: torch.device):

@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -174,6 +175,16 @@ def all_reduce(value: torch.Tensor, env: DistEnv, op: str = "sum") -> torch.Tens
 def all_reduce_sum(value: torch.Tensor, env: DistEnv) -> torch.Tensor:
     """Sum a CPU tensor over all ranks (identity when single-process)."""
     return all_reduce(value, env, "sum")
+
+
+def gather_objects(obj: Any, env: DistEnv) -> list[Any]:
+    """Every rank's picklable ``obj`` on every rank, in rank order (over gloo: host objects only, no device
+    tensors). For small reports such as the data accounting, at moments every rank reaches together."""
+    if not env.distributed:
+        return [obj]
+    out: list[Any] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def check_peers(

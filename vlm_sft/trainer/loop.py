@@ -13,9 +13,10 @@ files written on rank 0, the packing self-check) is followed by an agreement, so
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ from vlm_sft.data.collate import collate
 from vlm_sft.flops import batch_flops, mfu, peak_flops
 from vlm_sft.model.checkpoint_io import save_hf_checkpoint
 from vlm_sft.trainer import build
-from vlm_sft.trainer.batches import TrainBatches
+from vlm_sft.trainer.batches import TrainBatches, resolve_num_workers
 from vlm_sft.trainer.checkpoint import (
     TrainerState,
     capture_rng,
@@ -41,6 +42,7 @@ from vlm_sft.trainer.checkpoint import (
     restore_rng,
     save_checkpoint,
 )
+from vlm_sft.trainer.data_accounting import RunAccounting
 from vlm_sft.trainer.distributed import (
     DistEnv,
     all_ranks_or_none,
@@ -73,6 +75,8 @@ class RunResult:
     """Seconds from start-up to the end of the final save."""
     real_tokens_per_s: float
     """Non-padding tokens processed per second of training steps (all ranks)."""
+    data: dict
+    """Sample accounting at the end (all ranks): seen, packed, skipped by reason, buffered, passes."""
 
 
 @dataclass
@@ -88,6 +92,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     train_batches: TrainBatches
+    accounting: RunAccounting
     eval_batches: list[PackedBatch]
     metrics: MetricsLogger
     total_steps: int
@@ -113,6 +118,8 @@ class StepBatches:
     capacity: int
     images: int
     flops: float
+    data: list[float] = field(default_factory=list)
+    """The data accounting's values summed over ranks (``RunAccounting.local_values``), when one was passed."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,7 @@ def train(cfg: RunConfig) -> RunResult:
     try:
         run = setup(cfg, env)
         last_eval, train_time, real_tokens = run_steps(run)
+        data = run.accounting.report(run.step, "end of the run")
         final_dir = export_final(run.out_dir / "final", run.model, run.processor, env)
     finally:
         cleanup(env)
@@ -144,7 +152,7 @@ def train(cfg: RunConfig) -> RunResult:
         logger.info(
             "done: %d steps in %.1f s (%.0f real tokens/s); final checkpoint %s", run.step, wall, tok_s, final_dir
         )
-    return RunResult(run.step, final_dir, last_eval, wall, tok_s)
+    return RunResult(run.step, final_dir, last_eval, wall, tok_s, data.to_dict())
 
 
 def setup(cfg: RunConfig, env: DistEnv) -> Run:
@@ -163,24 +171,19 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = shard_model(model, env, param_dtype=compute_dtype)
     model.train()
-    total_steps = cfg.train.max_steps or _count_steps(cfg, sources, renderer, env)
+    num_workers = resolve_num_workers(cfg.data.num_workers, log=env.is_main)
+    pipelines = build.TrainPipelines(cfg, sources.train, renderer, env.rank, env.world_size)
+    total_steps = cfg.train.max_steps or _count_steps(cfg, pipelines, max(num_workers, 1), env)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
     step, data_state = _resume(cfg, env, out_dir, model, optimizer, scheduler)
     with all_ranks_or_none(env, "starting the data pipelines and the metrics"):
         train_batches = TrainBatches(
-            functools.partial(
-                build.build_pipeline,
-                cfg,
-                sources.train,
-                renderer,
-                rank=env.rank,
-                world_size=env.world_size,
-                epochs=None,
-            ),
+            pipelines,
             pad_id=pad_id,
             spatial_merge_size=model.config.vision_config.spatial_merge_size,
-            num_workers=cfg.data.num_workers,
+            num_workers=num_workers,
+            prefetch=cfg.data.prefetch_packs,
             state=data_state,
             pin_memory=env.device.type == "cuda",
         )
@@ -193,9 +196,10 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
             report_to=list(cfg.train.report_to),
             run_config=cfg.to_dict(),
         )
+    accounting = RunAccounting(out_dir, env, train_batches)
     return Run(
-        cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, eval_batches, metrics,
-        total_steps, step, compute_dtype,
+        cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
+        metrics, total_steps, step, compute_dtype,
     )  # fmt: skip
 
 
@@ -212,8 +216,8 @@ def _prepare(cfg: RunConfig, env: DistEnv, out_dir: Path) -> tuple[Any, Any]:
     processor = build.build_processor(cfg)
     renderer = build.build_renderer(cfg, processor)
     check_template_parity(renderer, processor)  # refuse to train on tokens the checkpoint's template would not give
-    if env.is_main:
-        build.materialize_data(cfg)
+    if env.is_main:  # a progress bar only where someone watches it, not in a job's log file
+        build.materialize_data(cfg, progress=sys.stderr.isatty())
     return processor, renderer
 
 
@@ -226,8 +230,8 @@ def _self_check(cfg: RunConfig, env: DistEnv, out_dir: Path, model, renderer, so
             report = run_packing_check(cfg, model=model, renderer=renderer, source=sources.train, pad_id=pad_id)
             (out_dir / "packing_check.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
             logger.info("packing self-check:\n%s", report.format())
-            if not report.ok:
-                raise RuntimeError(f"packing self-check failed:\n{report.format()}")
+            if not report.ok:  # the table was just logged and is in packing_check.json: do not print it twice
+                raise RuntimeError(f"packing self-check failed (table above; {out_dir / 'packing_check.json'})")
 
 
 def _resume(cfg: RunConfig, env: DistEnv, out_dir: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
@@ -249,8 +253,8 @@ def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: Dis
         cfg,
         sources.eval,
         renderer,
-        rank=env.rank,
-        world_size=env.world_size,
+        shard=env.rank,
+        num_shards=env.world_size,
         epochs=1,
         shuffle=False,
         packing="stack" if cfg.data.packing == "stack" else "cat",
@@ -258,15 +262,13 @@ def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: Dis
     return [collate([p], pad_id=pad_id) for p in pipeline]
 
 
-def _count_steps(cfg: RunConfig, sources: build.DataSources, renderer, env: DistEnv) -> int:
-    """Optimizer steps in ``train.epochs`` passes, counted by running the pipeline once without a model."""
+def _count_steps(cfg: RunConfig, pipelines: build.TrainPipelines, shares: int, env: DistEnv) -> int:
+    """Optimizer steps in ``train.epochs`` passes, counted by running the rank's pipelines once without a model."""
     epochs = cfg.train.epochs
     whole = int(epochs) if float(epochs).is_integer() else int(epochs) + 1
     with all_ranks_or_none(env, "counting the training steps"):
-        pipeline = build.build_pipeline(
-            cfg, sources.train, renderer, rank=env.rank, world_size=env.world_size, epochs=whole
-        )
-        packs = sum(1 for _ in pipeline)
+        counting = dataclasses.replace(pipelines, epochs=whole)
+        packs = sum(sum(1 for _ in counting(share, shares)) for share in range(shares))
     steps = int(packs / whole * epochs) // cfg.train.micro_batches
     steps = int(all_reduce(torch.tensor([steps]), env, "min"))  # every rank must run the same number of steps
     if steps < 1:
@@ -284,24 +286,26 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
     has_eval = run.sources.eval is not None  # the same on every rank, even one whose share of eval packs is empty
     last_eval: dict = {}
     train_time, real_total = 0.0, 0
-    window = {"real": 0, "time": 0.0, "flops": 0.0}
+    window = _new_window()
     peak = peak_flops(env.device, run.compute_dtype)
     while run.step < run.total_steps:
         run.timer.reset()
         run.vision_timer.take()  # drop anything an eval forward left behind
-        step_batches = next_step_batches(run.train_batches, cfg.train.micro_batches, env, run.model)
+        step_batches = next_step_batches(run.train_batches, cfg.train.micro_batches, env, run.model, run.accounting)
         if step_batches is None:
             break
         stats = train_step(run, step_batches)
         run.step += 1
+        data_counts = run.accounting.after_step(step_batches.data, run.step)
         train_time += stats.sections["step_time_s"]
         real_total += step_batches.real
         window["real"] += step_batches.real
         window["time"] += stats.sections["step_time_s"]
+        window["data"] += stats.sections["data_s"]
         window["flops"] += step_batches.flops
         if run.step % cfg.train.log_every == 0 or run.step == run.total_steps:
-            _log_step(run, step_batches, stats, window, peak)
-            window = {"real": 0, "time": 0.0, "flops": 0.0}
+            _log_step(run, step_batches, stats, window, peak, data_counts)
+            window = _new_window()
         else:
             run.metrics.advance(1)
         last = run.step == run.total_steps
@@ -315,11 +319,18 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
     return last_eval, train_time, real_total
 
 
-def next_step_batches(batches: TrainBatches, n: int, env: DistEnv, model: torch.nn.Module) -> StepBatches | None:
+def _new_window() -> dict[str, float]:
+    """Sums over the steps since the last metrics line (so a logged value covers every step, not just the last)."""
+    return {"real": 0, "time": 0.0, "data": 0.0, "flops": 0.0, "start": time.perf_counter()}
+
+
+def next_step_batches(
+    batches: TrainBatches, n: int, env: DistEnv, model: torch.nn.Module, accounting: RunAccounting | None = None
+) -> StepBatches | None:
     """``n`` micro-batches and the global counts, or None on every rank as soon as one rank ran out of data.
 
-    One all-reduce per step carries, from every rank: whether loading failed, whether the data ended, and the
-    counts (trainable tokens first: the loss normalizer must be known before any backward).
+    One all-reduce per step carries, from every rank: whether loading failed, whether the data ended, the counts
+    (trainable tokens first: the loss normalizer must be known before any backward) and the data accounting.
     """
     out: list[PackedBatch] = []
     error = None
@@ -331,6 +342,7 @@ def next_step_batches(batches: TrainBatches, n: int, env: DistEnv, model: torch.
     except Exception as exc:  # reported to every rank by check_peers, then re-raised here
         error = exc
     flops = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in out)
+    data = accounting.local_values() if accounting is not None else []
     local = torch.tensor(
         [
             0 if len(out) == n or error else 1,
@@ -339,6 +351,7 @@ def next_step_batches(batches: TrainBatches, n: int, env: DistEnv, model: torch.
             sum(b.input_ids.numel() for b in out),
             sum(b.num_images for b in out),
             flops,
+            *data,
         ],
         dtype=torch.float64,
     )
@@ -346,7 +359,7 @@ def next_step_batches(batches: TrainBatches, n: int, env: DistEnv, model: torch.
     if float(totals[0]) > 0:
         return None
     trainable, real, capacity, images = (int(v) for v in totals[1:5].tolist())
-    return StepBatches(out, trainable, real, capacity, images, float(totals[5]))
+    return StepBatches(out, trainable, real, capacity, images, float(totals[5]), totals[6:].tolist())
 
 
 def train_step(run: Run, step: StepBatches) -> StepStats:
@@ -373,9 +386,12 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
     return StepStats(loss_and_norm[0], float(loss_and_norm[1]), step_breakdown(timer.reset()))
 
 
-def _log_step(run: Run, step: StepBatches, stats: StepStats, window: dict, peak: float | None) -> None:
+def _log_step(
+    run: Run, step: StepBatches, stats: StepStats, window: dict, peak: float | None, data_counts: dict[str, int]
+) -> None:
     loss = float(all_reduce_sum(stats.loss_sum.reshape(1), run.env)) / max(step.trainable, 1)
     lr = run.scheduler.get_last_lr()[0]
+    wall = time.perf_counter() - window["start"]  # the window's wall time: steps, evals, saves, logging
     record = {
         "step": run.step,
         "loss": loss,
@@ -388,6 +404,10 @@ def _log_step(run: Run, step: StepBatches, stats: StepStats, window: dict, peak:
         "tokens_per_s": window["real"] / max(window["time"], 1e-9),
         "peak_memory_mb": peak_memory_mb(run.env.device),
         **stats.sections,
+        "data_wait_s": window["data"],
+        "window_s": wall,
+        "data_wait_fraction": window["data"] / max(wall, 1e-9),
+        **data_counts,
         "flops_per_step": step.flops,
         "tflops": window["flops"] / max(window["time"], 1e-9) / 1e12,
         "mfu": mfu(window["flops"], window["time"], peak, run.env.world_size),
