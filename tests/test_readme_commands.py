@@ -1,0 +1,497 @@
+"""Every command in the README's code blocks works: each is run here, tiny and offline, or names the test that runs it.
+
+The README is the front door, and a command in it that no test runs rots unseen. The fenced ```bash and plain ```
+blocks are parsed into commands (backslash continuations joined, comments dropped, ``&&`` chains split), and
+``COMMANDS`` says for each one, by its exact text, how it is covered:
+
+- ``Run``: run as written from the repository root, through its own launcher (``accelerate launch``, ``torchrun``,
+  ``python -m``), with overrides appended that make it tiny, offline and CPU-only (``tiny_overrides``). A command on
+  a config that names a real checkpoint (``configs/qwen3_5_0_8b.toml``: a hub id, bf16, CUDA) gets a local HF
+  checkpoint directory of the tiny model instead, in float32 on the CPU; ``data/train.jsonl`` becomes a small jsonl
+  of shapes rows with their images beside it.
+- ``Covered``: run by CI or by another test, named together with a line of that file which must still be there.
+
+A README command missing from the table fails with the fix, and so does a table entry the README no longer has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import string
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from train_helpers import launch_env, tiny_run_args
+
+from vlm_sft.config import REPO_ROOT
+
+README = REPO_ROOT / "README.md"
+DEFAULT_CONFIG = "configs/debug.toml"
+USER_DATA = "data/train.jsonl"
+"""The README's example of the user's own data file: replaced by a small jsonl of shapes rows."""
+
+COMMAND_TIMEOUT_S = 180.0
+"""Per command; a tiny run takes 10 to 45 s on 2 cores, so this only stops a hang (e.g. a rendezvous never met)."""
+
+PROCESSES_PER_CORE = 2
+"""A tiny run spends most of its life importing and reading files, so two processes per core keep the cores busy
+(measured on 2 cores: 132 s for every command against 167 s at one per core)."""
+
+TINY_STEPS = 2
+USER_ROWS = 16
+"""Rows of the stand-in for ``data/train.jsonl``."""
+
+SHAPES = {"num_train": 48, "num_eval": 8, "seed": 0, "image_size": 64}
+"""The shapes set every debug-config command trains on; written once, before any command starts, so that commands
+running side by side never race to write it (``tiny_overrides`` passes the same counts)."""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The table: how each README command is covered.
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run the command as written, made tiny; then check what it must leave behind."""
+
+    expect: str
+    """``train`` (``final/`` and ``metrics.jsonl`` in the output dir), ``report`` (its JSON), or ``check_packing``
+    (exit 0 and its table printed once)."""
+    procs: int = 1
+    """Processes the command starts on this machine; the scheduler runs no more than the cores at once."""
+    nodes: int = 1
+    """> 1: the command is launched this many times at once on localhost, with ``NODE_RANK`` 0, 1, ... (one
+    "machine" each)."""
+    set_flags: tuple[tuple[str, str], ...] = ()
+    """(flag, value) pairs whose value replaces the README's (``{port}``: a free port)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Shell variables the command names (``$MASTER``), as (name, value)."""
+
+
+@dataclass(frozen=True)
+class Covered:
+    """Run somewhere else; ``evidence`` is (file, text it must contain), so a renamed test fails here."""
+
+    by: str
+    evidence: tuple[str, str]
+
+
+def _ci(part: str) -> Covered:
+    return Covered("CI: .ci/run runs the quickstart's install parts on a clean checkout", (".ci/run", part))
+
+
+COMMANDS: dict[str, Run | Covered] = {
+    "python3 -m venv .venv": _ci("python3 -m venv .venv"),
+    ". .venv/bin/activate": _ci(". .venv/bin/activate"),
+    "pip install -q torch==2.13.0": _ci("pip install -q torch==2.13.0"),
+    "pip install -q -e .": Covered(
+        'CI: .ci/run installs -e ".[dev]", which is -e . plus the dev extras', (".ci/run", 'pip install -q -e ".[dev]"')
+    ),
+    'pip install -q -e ".[dev]"': _ci('pip install -q -e ".[dev]"'),
+    'HF_HUB_OFFLINE=1 python -m pytest -m "not gpu"': Covered(
+        "tests/test_readme.py::test_ci_runs_exactly_the_readme_test_command (CI runs it)",
+        ("tests/test_readme.py", "def test_ci_runs_exactly_the_readme_test_command"),
+    ),
+    "accelerate launch vlm_sft/train.py": Run("train"),
+    "accelerate launch vlm_sft/train.py --config configs/debug.toml --train.max_steps 20 --data.packing cat": Run(
+        "train"
+    ),
+    "python -m vlm_sft.report --config configs/qwen3_5_0_8b.toml --data.source data/train.jsonl": Run("report"),
+    "python -m vlm_sft.check_packing --config configs/qwen3_5_0_8b.toml": Run("check_packing"),
+    "accelerate launch --multi_gpu --num_processes 2 vlm_sft/train.py --config configs/debug.toml": Run(
+        "train", procs=2
+    ),
+    "torchrun --nproc_per_node 2 vlm_sft/train.py --config configs/debug.toml": Run("train", procs=2),
+    (
+        "accelerate launch --multi_gpu --num_machines 2 --machine_rank $NODE_RANK --main_process_ip $MASTER "
+        "--main_process_port 29500 --num_processes 16 vlm_sft/train.py --config configs/qwen3_5_0_8b.toml"
+    ): Run(
+        "train",
+        procs=2,
+        nodes=2,
+        set_flags=(("--main_process_port", "{port}"), ("--num_processes", "2")),
+        env=(("MASTER", "127.0.0.1"),),
+    ),
+    "bash bench/gpu.sh": Covered(
+        "GPU only (the GPU session runs it); its parts run on the CPU in tests/test_gpu_check.py",
+        ("tests/test_gpu_check.py", '"bench/gpu.sh", "--cpu-smoke"'),
+    ),
+    "bash bench/gpu.sh --cpu-smoke": Covered(
+        "tests/test_gpu_check.py (the smoke fixture)", ("tests/test_gpu_check.py", '"bench/gpu.sh", "--cpu-smoke"')
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing the README into commands.
+
+FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
+SHELL_LANGS = frozenset({"bash", "sh", "shell", "console"})
+COMMAND_START = re.compile(r"^\s*(?:[A-Za-z_]\w*=\S*\s+)*(?:python3?|accelerate|torchrun|bash|sh|pip|uv|\.)\s")
+"""A line that starts like a command: in a plain block that bash cannot parse, it means a broken command, not a
+diagram."""
+
+
+def _bash_parses(body: str) -> bool:
+    return subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True).returncode == 0
+
+
+def _outside_quotes(line: str, pos: int) -> bool:
+    """Whether ``pos`` is outside any quotes (the text before it splits as a complete shell line)."""
+    try:
+        shlex.split(line[:pos])
+    except ValueError:
+        return False
+    return True
+
+
+def _strip_comment(line: str) -> str:
+    for m in re.finditer(r"(?:^|\s)#", line):
+        if _outside_quotes(line, m.start()):
+            return line[: m.start()]
+    return line
+
+
+def _split_and(line: str) -> list[str]:
+    parts, start = [], 0
+    for m in re.finditer(r"&&", line):
+        if _outside_quotes(line, m.start()):
+            parts.append(line[start : m.start()])
+            start = m.end()
+    return [p.strip() for p in [*parts, line[start:]] if p.strip()]
+
+
+def block_commands(body: str) -> list[str]:
+    """The commands of one shell block: continuations joined with one space, comments dropped, ``&&`` split."""
+    joined = re.sub(r"[ \t]*\\\n[ \t]*", " ", body)
+    commands: list[str] = []
+    for line in joined.splitlines():
+        commands += _split_and(_strip_comment(line).strip())
+    return commands
+
+
+def parse_readme(text: str) -> tuple[list[str], list[str]]:
+    """(commands in README order, problems). ```bash blocks and plain ``` blocks that bash parses are commands; a
+    plain block bash cannot parse is a diagram, unless a line of it starts like a command (then it is a problem)."""
+    commands: list[str] = []
+    problems: list[str] = []
+    for m in FENCE.finditer(text):
+        lang, body = m.group(1).lower(), m.group(2)
+        line_no = text.count("\n", 0, m.start()) + 1
+        if lang and lang not in SHELL_LANGS:
+            continue
+        if not _bash_parses(body):
+            if lang or any(COMMAND_START.match(line) for line in body.splitlines()):
+                problems.append(f"README.md:{line_no}: this code block is not valid shell:\n{body}")
+            continue
+        commands += [c for c in block_commands(body) if c not in commands]
+    return commands, problems
+
+
+def table_problems(commands: list[str], table: dict[str, object]) -> list[str]:
+    """Both directions: a README command with no table entry, and a table entry the README no longer has."""
+    missing = [
+        f"README command not covered by any test: {c!r}; add it to COMMANDS in tests/test_readme_commands.py "
+        "(Run: how to make it tiny, or Covered: which test runs it)"
+        for c in commands
+        if c not in table
+    ]
+    stale = [
+        f"COMMANDS entry {c!r} is not in README.md any more: remove it, or update it to the README's new text"
+        for c in table
+        if c not in commands
+    ]
+    return missing + stale
+
+
+README_COMMANDS, README_PROBLEMS = parse_readme(README.read_text())
+RUN_COMMANDS = [c for c in README_COMMANDS if isinstance(COMMANDS.get(c), Run)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Making a command tiny, and running it.
+
+
+@dataclass(frozen=True)
+class StandIns:
+    """What the fixture built for the commands: the shapes set, the user's jsonl, a local HF checkpoint."""
+
+    shapes_root: Path
+    user_jsonl: Path
+    checkpoint: Path
+
+
+def _config_of(argv: list[str]) -> dict:
+    """The TOML the command names (``{}`` for a missing file: the command itself then fails with its own error)."""
+    path = REPO_ROOT / (argv[argv.index("--config") + 1] if "--config" in argv else DEFAULT_CONFIG)
+    if not path.is_file():
+        return {}
+    with path.open("rb") as f:
+        return tomllib.load(f)
+
+
+def tiny_overrides(argv: list[str], out: Path, stand_ins: StandIns) -> list[str]:
+    """Overrides appended to a README command (the last of a repeated override wins): a seconds-long run, and for a
+    config that names a real model, the tiny local checkpoint in float32 on the CPU, on the stand-in jsonl."""
+    shapes = {f"data.shapes.{k}": v for k, v in SHAPES.items()}
+    extra = tiny_run_args(
+        out, **shapes, **{"data.shapes.root": str(stand_ins.shapes_root), "train.max_steps": TINY_STEPS}
+    )
+    config = _config_of(argv)
+    if config.get("model", {}).get("name_or_path", "tiny") != "tiny":
+        extra += ["--model.name_or_path", str(stand_ins.checkpoint)]
+    if config.get("model", {}).get("dtype") == "bfloat16":
+        extra += ["--model.dtype", "float32"]
+    if config.get("train", {}).get("device", "cpu") != "cpu":
+        extra += ["--train.device", "cpu"]
+    if config.get("data", {}).get("source", "shapes") != "shapes" and "--data.source" not in argv:
+        extra += ["--data.source", str(stand_ins.user_jsonl)]
+    return extra
+
+
+def command_argv(command: str, run: Run, variables: dict[str, str], stand_ins: StandIns) -> list[str]:
+    """The README's words, ``$VARS`` expanded (an unknown one raises), ``set_flags`` applied, the data path swapped."""
+    argv = [string.Template(word).substitute(variables) for word in shlex.split(command)]
+    for flag, value in run.set_flags:
+        argv[argv.index(flag) + 1] = value.format(**variables)
+    return [str(stand_ins.user_jsonl) if word == USER_DATA else word for word in argv]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Job:
+    """One README command: its launches (one per node), their processes and what they printed."""
+
+    command: str
+    run: Run
+    out: Path
+    launches: list[tuple[list[str], dict[str, str]]]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    started: float = 0.0
+    seconds: float = 0.0
+    timed_out: bool = False
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        for i, (argv, env) in enumerate(self.launches):
+            with (self.out / f"stdout{i}.txt").open("w") as o, (self.out / f"stderr{i}.txt").open("w") as e:
+                self.procs.append(
+                    subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=o, stderr=e, start_new_session=True)
+                )
+
+    def finished(self, timeout: float) -> bool:
+        """Polls; past ``timeout`` kills this job's own process groups (launchers and their ranks)."""
+        if all(p.poll() is not None for p in self.procs):
+            self.seconds = time.monotonic() - self.started
+            return True
+        if time.monotonic() - self.started > timeout:
+            self.timed_out = True
+            self.kill()
+            self.seconds = time.monotonic() - self.started
+            return True
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL to the process groups this job started (each launch is a session of its own), then reap them."""
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def stdout(self) -> str:
+        return "".join((self.out / f"stdout{i}.txt").read_text() for i in range(len(self.launches)))
+
+    def failure(self) -> str:
+        """Empty when every launch exited 0, else the exit codes and the tail of what each printed."""
+        codes = [p.returncode for p in self.procs]
+        if not self.timed_out and all(c == 0 for c in codes):
+            return ""
+        tails = [
+            f"--- launch {i} ({shlex.join(argv)}):\n{(self.out / f'stdout{i}.txt').read_text()[-3000:]}\n"
+            f"{(self.out / f'stderr{i}.txt').read_text()[-6000:]}"
+            for i, (argv, _) in enumerate(self.launches)
+        ]
+        return f"exit codes {codes}, timed out: {self.timed_out}\n" + "\n".join(tails)
+
+
+def make_job(index: int, command: str, run: Run, tmp: Path, stand_ins: StandIns) -> Job:
+    out = tmp / f"cmd{index}"
+    out.mkdir()
+    env = launch_env()
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # the venv's python, accelerate
+    env["HF_DATASETS_CACHE"] = str(tmp / "datasets_cache")
+    env["PET_MASTER_PORT"] = str(_free_port())  # torchrun's default 29500 may be taken by another job on the machine
+    port = str(_free_port())
+    launches = []
+    for node in range(run.nodes):
+        shell_vars = {**dict(run.env), **({"NODE_RANK": str(node)} if run.nodes > 1 else {})}
+        argv = command_argv(command, run, {**shell_vars, "port": port}, stand_ins)
+        launches.append((argv + tiny_overrides(argv, out, stand_ins), {**env, **shell_vars}))
+    return Job(command, run, out, launches)
+
+
+def run_jobs(jobs: list[Job], slots: int, timeout: float) -> None:
+    """Runs the jobs side by side, never more processes than ``slots`` at once (a bigger job runs alone); jobs with
+    more processes start first, since they take longest."""
+    pending, running = sorted(jobs, key=lambda j: -j.run.procs), []
+    try:
+        while pending or running:
+            for job in list(pending):
+                if not running or sum(j.run.procs for j in running) + job.run.procs <= slots:
+                    job.start()
+                    running.append(job)
+                    pending.remove(job)
+            time.sleep(0.2)
+            running = [j for j in running if not j.finished(timeout)]
+    finally:  # an interrupted session must not leave training processes behind
+        for job in running:
+            job.kill()
+
+
+def write_tiny_checkpoint(directory: Path) -> Path:
+    """A local HF checkpoint directory of the tiny model (random init, float32) with the tiny processor: what a
+    hub id like ``Qwen/Qwen3.5-0.8B`` resolves to, offline."""
+    import torch
+
+    from processors import load_tiny_processor, save_processor
+    from vlm_sft.model import build_model
+    from vlm_sft.model.presets import tiny_qwen3_5_config
+
+    processor = load_tiny_processor()
+    torch.manual_seed(0)
+    build_model(tiny_qwen3_5_config()).save_pretrained(directory)
+    save_processor(directory, processor, processor.tokenizer)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> dict[str, Job]:
+    """Every ``Run`` command of the README, run once, side by side as the cores allow; timings printed."""
+    from vlm_sft.data.shapes import materialize_shapes
+
+    tmp = tmp_path_factory.mktemp("readme_commands")
+    materialize_shapes(tmp / "shapes", **SHAPES, progress=False)
+    user = materialize_shapes(tmp / "user_data", num_train=USER_ROWS, num_eval=0, progress=False)["train"]
+    stand_ins = StandIns(tmp / "shapes", user, write_tiny_checkpoint(tmp / "checkpoint"))
+    jobs = [make_job(i, c, COMMANDS[c], tmp, stand_ins) for i, c in enumerate(RUN_COMMANDS)]
+    t0 = time.monotonic()
+    run_jobs(jobs, slots=PROCESSES_PER_CORE * (os.cpu_count() or 1), timeout=COMMAND_TIMEOUT_S)
+    print(f"\nREADME commands ({time.monotonic() - t0:.0f} s in all):")
+    for job in jobs:
+        print(f"  {job.seconds:6.1f} s  {job.command}")
+    return {job.command: job for job in jobs}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tests.
+
+
+def test_every_readme_command_is_in_the_table_and_every_entry_in_the_readme():
+    assert not README_PROBLEMS, "\n".join(README_PROBLEMS)
+    assert README_COMMANDS, "no commands parsed from README.md: the parser no longer finds its code blocks"
+    problems = table_problems(README_COMMANDS, COMMANDS)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if isinstance(how, Covered)])
+def test_covered_commands_name_a_test_that_still_runs_them(command):
+    how = COMMANDS[command]
+    path, text = how.evidence
+    assert text in (REPO_ROOT / path).read_text(), (
+        f"{command!r} is said to be covered by {how.by}, but {path} no longer contains {text!r}"
+    )
+
+
+def test_the_parser_joins_continuations_drops_comments_splits_chains_and_skips_diagrams():
+    text = (
+        '```bash\npython3 -m venv .venv && . .venv/bin/activate && pip install -e ".[dev]"  # install\n```\n'
+        "```\n # a comment line\nrun a --x 'b && c' \\\n    --y 1   # trailing\nrun 'a # not a comment'\n```\n"
+        "```\n rows (jsonl)\n   |\n   v\n```\n```toml\n[x]\ny = 1\n```\n"
+    )
+    commands, problems = parse_readme(text)
+    assert commands == [
+        "python3 -m venv .venv",
+        ". .venv/bin/activate",
+        'pip install -e ".[dev]"',
+        "run a --x 'b && c' --y 1",
+        "run 'a # not a comment'",
+    ]
+    assert problems == []
+
+
+def test_the_parser_reports_a_broken_command_instead_of_taking_it_for_a_diagram():
+    commands, problems = parse_readme("```\npython -m vlm_sft.report --config (x\n```\n")
+    assert commands == [] and len(problems) == 1 and "README.md:1" in problems[0]
+
+
+def test_table_problems_name_missing_commands_and_stale_entries():
+    problems = table_problems(["a", "b"], {"b": Run("train"), "c": Run("train")})
+    assert len(problems) == 2
+    assert "'a'" in problems[0] and "add it to COMMANDS" in problems[0]
+    assert "'c'" in problems[1] and "not in README.md" in problems[1]
+
+
+def test_multi_node_command_becomes_one_local_launch_per_node(tmp_path):
+    """$NODE_RANK and $MASTER are filled in per node, the port and the process count replaced, the rest kept."""
+    command = next(c for c, how in COMMANDS.items() if isinstance(how, Run) and how.nodes > 1)
+    stand_ins = StandIns(tmp_path / "shapes", tmp_path / "train.jsonl", tmp_path / "ckpt")
+    job = make_job(0, command, COMMANDS[command], tmp_path, stand_ins)
+    assert len(job.launches) == 2
+    for node, (argv, env) in enumerate(job.launches):
+        value = {flag: v for flag, v in itertools.pairwise(argv) if flag.startswith("--")}  # last one wins
+        assert value["--machine_rank"] == str(node) == env["NODE_RANK"]
+        assert value["--main_process_ip"] == "127.0.0.1" and value["--num_processes"] == "2"
+        assert value["--main_process_port"] != "29500" and value["--model.name_or_path"] == str(tmp_path / "ckpt")
+        assert value["--model.dtype"] == "float32" and value["--train.device"] == "cpu"
+    with pytest.raises(KeyError):  # a variable the table does not set is an error, never an empty string
+        command_argv(command, Run("train"), {}, stand_ins)
+
+
+def test_a_failing_or_hanging_command_is_reported_and_its_processes_killed(tmp_path):
+    """The runner itself: a non-zero exit and a hang past the timeout both come back as failures."""
+    jobs = []
+    for i, code in enumerate(["import sys; print('bad input'); sys.exit(3)", "import time; time.sleep(60)"]):
+        (tmp_path / f"cmd{i}").mkdir()
+        jobs.append(Job(f"cmd{i}", Run("train"), tmp_path / f"cmd{i}", [([sys.executable, "-c", code], launch_env())]))
+    run_jobs(jobs, slots=2, timeout=2.0)
+    exits, hangs = jobs
+    assert "exit codes [3]" in exits.failure() and "bad input" in exits.failure() and not exits.timed_out
+    assert hangs.timed_out and hangs.procs[0].returncode == -signal.SIGKILL and hangs.failure()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", RUN_COMMANDS)
+def test_readme_command_runs(ran, command):
+    job = ran[command]
+    assert not job.failure(), f"README command failed: {command}\n{job.failure()}"
+    out = job.out / "run"
+    if job.run.expect == "train":
+        assert (out / "final" / "config.json").is_file(), f"no final/ checkpoint in {out}"
+        steps = [json.loads(line).get("step") for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert max(s for s in steps if s is not None) == TINY_STEPS
+        ranks = json.loads((out / "data_accounting.json").read_text())["per_rank"]
+        assert len(ranks) == job.run.procs, f"{command!r} trained on {len(ranks)} ranks, not {job.run.procs}"
+    elif job.run.expect == "report":
+        report = json.loads((out / "data_report.json").read_text())
+        assert report["samples_seen"] == report["samples_packed"] == USER_ROWS  # the stand-in data, every row packed
+    elif job.run.expect == "check_packing":
+        assert job.stdout().count("packing check:") == 1, job.stdout()
+    else:
+        raise AssertionError(f"unknown expectation {job.run.expect!r} for {command!r}")
