@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json.
-# About 35 minutes on 2 cores (the packing self-check calibration ~8); bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
+# About 41 minutes on 2 cores (the packing self-check calibration ~8, the data workers ~6); bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
 # SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PAR
 PY=${PYTHON:-python}
 "$PY" bench/bench_packing.py
 "$PY" bench/bench_render.py
+"$PY" bench/bench_data.py
 "$PY" bench/bench_linear_attn.py
 if [[ -z "${SKIP_LOSS_MEMORY:-}" ]]; then
   "$PY" bench/bench_loss_memory.py

@@ -87,6 +87,6 @@ def test_a_checkpoint_from_another_worker_count_is_refused_with_the_fix():
 def test_auto_workers_leave_a_core_per_rank():
     assert auto_num_workers(1, cores=2) == 1
     assert auto_num_workers(2, cores=2) == 0
-    assert auto_num_workers(1, cores=64) == 4
-    assert auto_num_workers(8, cores=64) == 4
+    assert auto_num_workers(1, cores=64) == 8
+    assert auto_num_workers(8, cores=64) == 7
     assert auto_num_workers(8, cores=16) == 1

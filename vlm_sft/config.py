@@ -122,7 +122,7 @@ class DataConfig(_Section):
     """Samples each data shard (one worker of one rank) must see before ``max_skip_fraction`` is enforced."""
     num_workers: int | None = Field(None, ge=0)
     """Processes per rank that render and pack, each on a disjoint share of the rank's samples (0: in the training
-    process). None: one per spare core (at least 1 when the machine has a core beside each rank, at most 4)."""
+    process). None: one per spare core (at least 1 when the machine has a core beside each rank, at most 8)."""
     prefetch_packs: int = Field(8, ge=1)
     """Packs each worker prepares ahead of the training step (absorbs the ``bfd`` packer's refill bursts)."""
     streaming: bool = False
