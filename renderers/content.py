@@ -112,6 +112,8 @@ def normalize_block(block: Any) -> Block:
         raise RenderError("unknown_block_type", f"content block of type {type(block).__name__}: {block!r:.80}")
     block = {k: v for k, v in block.items() if v is not None}
     kind = block.get("type")
+    if kind is not None and not isinstance(kind, str):  # e.g. ["x"]: unhashable, and no type we know
+        raise RenderError("unknown_block_type", f"content block type of type {type(kind).__name__}: {kind!r:.60}")
     if kind in _VIDEO_TYPES or (kind is None and "video" in block):
         raise RenderError("video_not_supported", "video is not supported yet")
     if kind in _IMAGE_TYPES or (kind is None and _image_source(block) is not None):

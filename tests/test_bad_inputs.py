@@ -207,6 +207,11 @@ def test_unknown_block_type(renderer):
         {"role": "assistant", "content": "x"},
     ]
     assert render_error(renderer, messages).reason == "unknown_block_type"
+    unhashable = [
+        {"role": "user", "content": [{"type": ["text"], "text": "hi"}]},
+        {"role": "assistant", "content": "x"},
+    ]
+    assert render_error(renderer, unhashable).reason == "unknown_block_type"  # a skip, not a TypeError
 
 
 def test_no_assistant_turn(renderer):
