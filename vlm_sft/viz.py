@@ -13,7 +13,7 @@ import html
 import io
 import logging
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from PIL import Image
 
-from renderers import IMAGE_TOKEN_TYPE, RenderedSample, SampleError, TextBlock, load_image, normalize_messages
+from renderers import IMAGE_TOKEN_TYPE, RenderedSample, TextBlock, load_image, normalize_messages
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.mrope import sample_position_ids
@@ -341,17 +341,13 @@ def plot_pass_statistics(packs: Sequence[Pack], *, seq_len: int | None = None) -
     return fig
 
 
-def explain_skips(skipped: dict[str, dict], prepare: Callable[[int], Any]) -> HTML:
-    """A table of skip reasons with each example row's error message (re-running ``prepare(index)``)."""
-    rows = []
-    for reason, info in skipped.items():
-        for index in info["examples"]:
-            try:
-                prepare(index)
-                message = "(no error now)"
-            except SampleError as err:
-                message = str(err)
-            rows.append((reason, info["count"], index, message))
+def explain_skips(skipped: dict[str, dict]) -> HTML:
+    """A table of skip reasons with each example row and the error's detail, as the pipeline recorded them."""
+    rows = [
+        (reason, info["count"], e["row"], e["detail"] or "(no detail)")
+        for reason, info in skipped.items()
+        for e in info["examples"]
+    ]
     cells = "".join(
         f"<tr><td>{html.escape(r)}</td><td>{n}</td><td>{i}</td><td>{html.escape(m)}</td></tr>" for r, n, i, m in rows
     )
