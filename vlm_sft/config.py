@@ -48,7 +48,8 @@ class ModelConfig(_Section):
     name_or_path: str = TINY_MODEL
     """``tiny`` (offline preset), a local HF checkpoint directory, or a hub id such as ``Qwen/Qwen3.5-0.8B``."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter and compute dtype. bfloat16 means bf16 autocast on CUDA with fp32 master weights."""
+    """Compute dtype. bfloat16 (CUDA only): fp32 master weights, gradients and AdamW state; layers compute in bf16
+    through FSDP2 mixed precision (gradients reduced in fp32)."""
     attn_impl: Literal["auto", "flash_attn", "torch_varlen", "sdpa"] = "auto"
     """Full-attention backend; ``auto`` picks the fastest boundary-exact one available on the device."""
     linear_attn_impl: Literal["auto", "fla", "torch"] = "auto"
