@@ -44,6 +44,59 @@ class VLMConfig(_Section):
     """Keep the vision tower's weights fixed. The usual SFT choice; its unused parameters would otherwise decay."""
 
 
+LORA_TEXT_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+    "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
+"""Every linear projection of the Qwen3.5 text model, by transformers' names (full attention, GatedDeltaNet, MLP)."""
+LORA_VISION_NAMES = ("qkv", "proj", "linear_fc1", "linear_fc2")
+"""The vision tower's linear names: peft matches targets by name suffix, so these would adapt the tower."""
+LORA_FUSED_GROUPS = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
+"""GatedDeltaNet projections that serving engines (vLLM, SGLang) fuse into one matrix: adapt all of a group or none."""
+
+
+class LoraSettings(_Section):
+    """LoRA adapters on the text model (``[model.lora]``), through peft; the base weights stay frozen."""
+
+    r: int = Field(16, ge=1)
+    """Adapter rank."""
+    alpha: float = Field(32.0, gt=0)
+    """Scale numerator: the adapter's update is ``alpha / r * B @ A``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input (0 keeps a packed row exactly equal to its samples alone)."""
+    target_modules: list[str] = list(LORA_TEXT_TARGETS)
+    """Text-model projections to adapt, by transformers' Qwen3.5 names (default: all of them)."""
+    allow_partial_fused: bool = False
+    """Accept targets that split a GatedDeltaNet fused group (``in_proj_qkv`` + ``in_proj_z``, ``in_proj_b`` +
+    ``in_proj_a``): vLLM and SGLang fuse them and crash on, or silently drop, such adapters."""
+
+    @model_validator(mode="after")
+    def _check_targets(self) -> LoraSettings:
+        known = set(LORA_TEXT_TARGETS)
+        inside_tower = [t for t in self.target_modules if t in LORA_VISION_NAMES]
+        if inside_tower:
+            raise ConfigError(
+                f"model.lora.target_modules {inside_tower} name vision-tower layers (peft matches by name suffix); "
+                "LoRA adapts the text model only: remove them"
+            )
+        unknown = [t for t in self.target_modules if t not in known]
+        if unknown or not self.target_modules:
+            raise ConfigError(
+                f"model.lora.target_modules {unknown or '[]'} match no text-model projection; "
+                f"available: {', '.join(LORA_TEXT_TARGETS)}"
+            )
+        for fused, members in LORA_FUSED_GROUPS.items():
+            chosen = [m for m in members if m in self.target_modules]
+            if chosen and len(chosen) < len(members) and not self.allow_partial_fused:
+                raise ConfigError(
+                    f"model.lora.target_modules has {chosen} without the rest of {list(members)}, which serving "
+                    f"engines fuse into {fused} (vLLM and SGLang then crash or drop the adapter): add "
+                    f"{[m for m in members if m not in chosen]}, or set model.lora.allow_partial_fused = true"
+                )
+        return self
+
+
 class ModelConfig(_Section):
     name_or_path: str = TINY_MODEL
     """``tiny`` (offline preset), a local HF checkpoint directory, or a hub id such as ``Qwen/Qwen3.5-0.8B``."""
@@ -64,6 +117,8 @@ class ModelConfig(_Section):
     """Only for ``tiny``: text and vision hidden size."""
     vlm: VLMConfig | None = None
     """Vision settings; required when the dataset has images (``[model.vlm]`` in TOML)."""
+    lora: LoraSettings | None = None
+    """LoRA fine-tuning (``[model.lora]``): adapters on the text model, base weights frozen; None: full fine-tuning."""
 
 
 class ShapesConfig(_Section):
@@ -179,6 +234,8 @@ class TrainConfig(_Section):
     """Steps between evals; None: eval at the end only."""
     report_to: list[Literal["tensorboard", "wandb"]] = []
     """Extra metric sinks beside metrics.jsonl."""
+    merge_lora: bool = True
+    """LoRA runs: also write ``final/`` as merged full weights (beside ``final/adapter/``); false: the adapter only."""
     check_packing: bool = False
     """Run the packing self-check (packed vs per-sample logits and gradients) before training."""
     log_all_ranks: bool = False
@@ -225,6 +282,12 @@ class RunConfig(_Section):
         if t.max_steps is not None and t.epochs is not None:
             raise ConfigError(
                 f"train.max_steps ({t.max_steps}) and train.epochs ({t.epochs}) are both set; unset one of them"
+            )
+        if m.lora is not None and m.vlm is not None and not m.vlm.freeze_vision:
+            raise ConfigError(
+                "[model.lora] with model.vlm.freeze_vision = false: a LoRA run keeps the vision tower frozen (it is "
+                "trained fully or not at all, never half-adapted); set model.vlm.freeze_vision = true, or remove "
+                "[model.lora] for a full fine-tune"
             )
         if m.name_or_path != TINY_MODEL and m.initializer_range is not None:
             raise ConfigError(

@@ -251,8 +251,29 @@ def build_model(cfg: RunConfig, device: torch.device):
     # bf16 runs keep fp32 master weights; FSDP2 mixed precision computes in bf16 (the trainer sets it up).
     if m.name_or_path == TINY_MODEL:
         torch.manual_seed(cfg.train.seed)
-        return build_random(build_model_config(cfg), dtype=torch.float32, **kwargs)
-    return Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=torch.float32, **kwargs)
+        model = build_random(build_model_config(cfg), dtype=torch.float32, **kwargs)
+    else:
+        model = Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=torch.float32, **kwargs)
+    if m.lora is not None:
+        _attach_lora(cfg, model)
+    return model
+
+
+def _attach_lora(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """LoRA adapters before any sharding (FSDP2 then shards the wrapped layers); the base stays frozen."""
+    from vlm_sft.config import LORA_FUSED_GROUPS
+    from vlm_sft.model.lora import attach_lora
+
+    lora = cfg.model.lora
+    split = [g for g, members in LORA_FUSED_GROUPS.items() if 0 < len(set(members) & set(lora.target_modules)) < 2]
+    if split:
+        logger.warning(
+            "model.lora.allow_partial_fused: the adapter covers part of the fused group(s) %s; vLLM and SGLang fuse "
+            "these projections and crash on or silently drop such adapters (serve the merged final/ instead)",
+            split,
+        )
+    torch.manual_seed(cfg.train.seed + 1)  # adapter init, the same on every rank
+    attach_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
 
 
 def resolve_output_dir(cfg: RunConfig) -> Path:

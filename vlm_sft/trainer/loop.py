@@ -24,19 +24,16 @@ from typing import Any
 
 import torch
 
-from processors import save_processor
 from renderers import check_template_parity
 from vlm_sft.config import ConfigError, RunConfig
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.flops import batch_flops, mfu, peak_flops
-from vlm_sft.model.checkpoint_io import save_hf_checkpoint
 from vlm_sft.trainer import build
 from vlm_sft.trainer.batches import TrainBatches, resolve_num_workers
 from vlm_sft.trainer.checkpoint import (
     TrainerState,
     capture_rng,
-    full_state_dict,
     load_checkpoint,
     resolve_resume,
     restore_rng,
@@ -55,6 +52,7 @@ from vlm_sft.trainer.distributed import (
     shard_model,
 )
 from vlm_sft.trainer.evaluate import evaluate
+from vlm_sft.trainer.export import export_final
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
 
@@ -143,7 +141,7 @@ def train(cfg: RunConfig) -> RunResult:
         run = setup(cfg, env)
         last_eval, train_time, real_tokens = run_steps(run)
         data = run.accounting.report(run.step, "end of the run")
-        final_dir = export_final(run.out_dir / "final", run.model, run.processor, env)
+        final_dir = export_final(run.out_dir / "final", run.model, run.processor, env, cfg)
     finally:
         cleanup(env)
     wall = time.perf_counter() - t_start
@@ -482,17 +480,5 @@ def _save(run: Run) -> None:
         state=state,
         env=run.env,
         keep_last=run.cfg.train.keep_last,
-        write_extra=lambda folder: export_final(folder / "hf", run.model, run.processor, run.env),
+        write_extra=lambda folder: export_final(folder / "hf", run.model, run.processor, run.env, run.cfg),
     )
-
-
-def export_final(directory: Path, model: torch.nn.Module, processor, env: DistEnv) -> Path:
-    """Write the HF checkpoint: weights + config, then processor and tokenizer (tokenizer last, verified on reload)."""
-    state = full_state_dict(model)
-    with all_ranks_or_none(env, f"writing the checkpoint {directory}"):
-        if env.is_main:
-            if model.tied_embeddings:
-                state.pop("lm_head.weight", None)
-            save_hf_checkpoint(state, model.config, directory)
-            save_processor(directory, processor, processor.tokenizer)
-    return directory

@@ -1,0 +1,160 @@
+"""LoRA exports: a merged plain checkpoint, or a PEFT adapter folder, from the state dict of an adapted model.
+
+The trainer attaches adapters with ``peft.inject_adapter_in_model`` (adapter name ``default``), so the adapted
+model's state dict holds, for each adapted linear ``X``::
+
+    X.base_layer.weight            the frozen base weight            [out, in]
+    X.lora_A.default.weight        A                                 [r, in]
+    X.lora_B.default.weight        B                                 [out, r]
+
+and the layer computes ``x @ (W + alpha / r * B @ A).T`` (peft's ``scaling = lora_alpha / r`` without rsLoRA).
+Two ways out, both loadable without our code:
+
+* ``merged_state_dict``: the plain model's state dict with ``W + alpha / r * B @ A`` folded in, for
+  ``save_hf_checkpoint`` (transformers and vLLM load it as a full model).
+* ``save_adapter``: ``adapter_model.safetensors`` + ``adapter_config.json`` in the layout
+  ``peft.PeftModel.from_pretrained`` reads onto transformers' ``Qwen3_5ForConditionalGeneration``, whose module paths
+  equal ours (``model.language_model.layers.0.mlp.gate_proj``). Keys are ``base_model.model.X.lora_A.weight``: what
+  ``get_peft_model_state_dict`` writes (the PeftModel's ``base_model.model.`` prefix, the adapter name removed).
+
+Inputs are full (unsharded) state dicts, e.g. from ``vlm_sft.trainer.checkpoint.full_state_dict`` on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+ADAPTER_NAME = "default"
+"""The adapter name ``inject_adapter_in_model`` uses, and the one PEFT files leave out of their keys."""
+PEFT_PREFIX = "base_model.model."
+"""What a PeftModel (LoraModel inside PeftModel) puts before the wrapped model's parameter names."""
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_BASE = ".base_layer."
+_LORA_A = f".lora_A.{ADAPTER_NAME}.weight"
+_LORA_B = f".lora_B.{ADAPTER_NAME}.weight"
+
+
+def _lora_modules(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the adapted modules, checked to hold exactly A and B of the one supported adapter."""
+    lora_keys = [k for k in state if ".lora_" in k]
+    modules = sorted(k.removesuffix(_LORA_A) for k in lora_keys if k.endswith(_LORA_A))
+    expected = {m + s for m in modules for s in (_LORA_A, _LORA_B)}
+    if set(lora_keys) != expected:
+        odd = sorted(set(lora_keys) ^ expected)
+        raise ValueError(
+            f"LoRA keys other than '<module>{_LORA_A}' / '<module>{_LORA_B}' pairs: {odd[:6]}; only plain LoRA "
+            f"(no DoRA, embeddings, or adapters other than '{ADAPTER_NAME}') is exported"
+        )
+    return modules
+
+
+def _check_full(state: dict[str, torch.Tensor]) -> None:
+    """Sharded DTensors would be written as one rank's shard: ask for the gathered state dict instead."""
+    sharded = [k for k, v in state.items() if isinstance(v, DTensor)]
+    if sharded:
+        raise ValueError(
+            f"state dict holds sharded tensors ({sharded[:3]}); pass the full state dict "
+            "(vlm_sft.trainer.checkpoint.full_state_dict(model), on rank 0)"
+        )
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], *, alpha: float, r: int) -> dict[str, torch.Tensor]:
+    """The plain model's state dict: each adapted ``X.weight = base + alpha / r * B @ A``, other keys as they are.
+
+    The product is taken in float32 and cast back to the base's dtype, so a bf16 base gets one rounding, not three.
+    ``X.base_layer.*`` keys (weight, and bias where there is one) lose their ``base_layer`` segment; LoRA keys are
+    dropped. ``r`` is checked against A's shape: a wrong ``r`` would silently rescale the update.
+    """
+    _check_full(state)
+    modules = _lora_modules(state)
+    out = {k.replace(_BASE, "."): v for k, v in state.items() if ".lora_" not in k}
+    for m in modules:
+        base_key = m + _BASE + "weight"
+        if base_key not in state:
+            raise ValueError(f"{m}: LoRA weights without a base weight ({base_key})")
+        a, b, base = state[m + _LORA_A], state[m + _LORA_B], state[base_key]
+        if a.shape[0] != r or b.shape[1] != r:
+            raise ValueError(f"{m}: A {tuple(a.shape)} and B {tuple(b.shape)} have rank {a.shape[0]}, not r={r}")
+        delta = (alpha / r) * (b.float() @ a.float())
+        out[m + ".weight"] = (base.float() + delta.to(base.device)).to(base.dtype)
+    return out
+
+
+def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors under the keys PEFT files use: ``base_model.model.X.lora_A.weight`` (no adapter name)."""
+    _check_full(state)
+    out: dict[str, torch.Tensor] = {}
+    for m in _lora_modules(state):
+        for part, key in (("lora_A", _LORA_A), ("lora_B", _LORA_B)):
+            out[f"{PEFT_PREFIX}{m}.{part}.weight"] = state[m + key]
+    return out
+
+
+def _matches(module: str, target_modules: Sequence[str]) -> bool:
+    """peft's rule for a list of targets: the full name, or a suffix that starts at a dot."""
+    return any(module == t or module.endswith("." + t) for t in target_modules)
+
+
+def _check_targets(state: dict[str, torch.Tensor], modules: list[str], target_modules: Sequence[str]) -> None:
+    """The targets written to the config must select the adapted modules and no others when PEFT loads them.
+
+    A short name that also names a vision-tower linear (``proj``, ``qkv``) would make PeftModel add adapters there
+    that the file does not hold: its missing-keys warning then fires, and the tower runs with zero-initialized B.
+    """
+    weighted = {k.removesuffix(".weight").removesuffix(_BASE.rstrip(".")) for k in state if k.endswith(".weight")}
+    selected = {n for n in weighted if ".lora_" not in n and _matches(n, target_modules)}
+    if selected != set(modules):
+        extra, unmatched = sorted(selected - set(modules)), sorted(set(modules) - selected)
+        raise ValueError(
+            f"target_modules {list(target_modules)[:6]} do not select exactly the adapted modules: they would also "
+            f"adapt {extra[:4]} and miss {unmatched[:4]}; pass the adapted modules' full names"
+        )
+
+
+def save_adapter(
+    directory: str | os.PathLike,
+    state: dict[str, torch.Tensor],
+    *,
+    r: int,
+    alpha: float,
+    dropout: float,
+    target_modules: Sequence[str],
+    base_model_name_or_path: str,
+) -> Path:
+    """Writes a PEFT LoRA adapter folder that ``PeftModel.from_pretrained(base, directory)`` loads; returns it.
+
+    ``state`` is the adapted model's full state dict (base weights are not written). ``target_modules`` are the
+    names peft will match in the base model (full module names or suffixes); they are checked to select exactly
+    the modules that have adapters. ``task_type`` is ``CAUSAL_LM``, what tools that serve text-generation adapters
+    (vLLM, the hub) expect; the key layout does not depend on it.
+    """
+    from peft import LoraConfig  # only needed to export adapters; keeps peft off the plain model's import path
+
+    modules = _lora_modules(state)
+    if not modules:
+        raise ValueError("state dict has no LoRA weights: was the adapter injected before taking the state dict?")
+    _check_targets(state, modules, target_modules)
+    for m in modules:
+        if state[m + _LORA_A].shape[0] != r:
+            raise ValueError(f"{m}: A has rank {state[m + _LORA_A].shape[0]}, not r={r}")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(state).items()}
+    save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_name_or_path,
+    )
+    config.save_pretrained(str(directory))
+    return directory
