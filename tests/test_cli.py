@@ -43,6 +43,13 @@ def test_help_lists_every_config_field_and_exits_0(entry):
     assert "train.warmup_fraction: float | None = none" in out and "train.log_all_ranks: bool = false" in out
 
 
+def test_check_packing_help_states_the_calibrated_bound():
+    """``--help`` names the bound without importing the model stack (which took 13 s); the number must stay true."""
+    from vlm_sft.model.packing_check import RATIO_BOUND
+
+    assert f"RATIO_BOUND, {RATIO_BOUND:g};" in " ".join(_help("-m", "vlm_sft.check_packing").stdout.split())
+
+
 def test_help_is_not_read_as_an_override():
     """The bug: ``--help`` went to the override parser, which said ``override '--help' has no value``."""
     proc = _help("vlm_sft/train.py")

@@ -12,7 +12,7 @@ from train_helpers import deterministic, read_metrics, run_training, tiny_run_ar
 from vlm_sft.data.shapes import materialize_shapes
 from vlm_sft.data.sources import rows_to_dataset
 
-ROWS = 64
+ROWS = 32
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +38,8 @@ def _args(tmp: Path, shards: tuple[Path, Path], **extra: object) -> list[str]:
             "data.streaming": True,
             "data.num_workers": 2,
             "data.bfd_buffer": 8,
-            "train.max_steps": 16,
-            "train.save_every": 8,
+            "train.max_steps": 8,
+            "train.save_every": 4,
             **extra,
         },
     )
@@ -52,10 +52,10 @@ def test_two_ranks_two_workers_stream_every_row_once_and_resume_exactly(tmp_path
     first_pass = next(h["pass"] for h in accounting["history"] if "pass" in h)
     assert first_pass == {"number": 1, "seen": ROWS, "packed": ROWS, "skipped": 0}  # 4 shards, each row once
 
-    checkpoint = whole / "run" / "checkpoints" / "step-000008"
+    checkpoint = whole / "run" / "checkpoints" / "step-000004"
     resumed = tmp_path / "resumed"
     run_training(_args(resumed, shards, **{"train.resume": str(checkpoint)}), nproc=2, timeout=240)
-    expected = [r for r in deterministic(read_metrics(whole / "run")) if r["step"] > 8]
+    expected = [r for r in deterministic(read_metrics(whole / "run")) if r["step"] > 4]
     got = deterministic(read_metrics(resumed / "run"))
-    assert [r["step"] for r in got] == list(range(9, 17))
+    assert [r["step"] for r in got] == list(range(5, 9))
     assert got == expected

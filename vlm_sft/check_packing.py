@@ -16,8 +16,6 @@ import logging
 import sys
 
 from vlm_sft.config import cli_parser, parse_cli
-from vlm_sft.model.packing_check import RATIO_BOUND
-from vlm_sft.trainer.self_check import run_packing_check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,15 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bound",
         type=float,
-        default=RATIO_BOUND,
-        help=f"largest leak / floor ratio that passes (default {RATIO_BOUND:g}; exact rows score ~1)",
+        default=None,
+        help="largest leak / floor ratio that passes (default: the calibrated RATIO_BOUND, 4; exact rows score ~1)",
     )
     known, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if cfg is None:
         return 2
+    from vlm_sft.model.packing_check import RATIO_BOUND  # the model stack loads only after --help was handled
     from vlm_sft.trainer import build
     from vlm_sft.trainer.distributed import resolve_device
+    from vlm_sft.trainer.self_check import run_packing_check
 
     processor = build.build_processor(cfg)
     renderer = build.build_renderer(cfg, processor)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         pad_id=int(processor.tokenizer.pad_token_id),
         rows=known.rows,
         max_samples_per_row=known.max_samples,
-        bound=known.bound,
+        bound=known.bound if known.bound is not None else RATIO_BOUND,
     )
     print(report.format())
     return 0 if report.ok else 1
