@@ -55,9 +55,9 @@ class SkipReport:
             ex.extend(_example(e) for e in info["examples"][: max(0, self.max_examples - len(ex))])
 
 
-def _example(e: int | Mapping) -> dict:
-    """An example row; states written before details were kept hold a bare row index."""
-    return {"row": int(e), "detail": ""} if isinstance(e, int) else {"row": int(e["row"]), "detail": str(e["detail"])}
+def _example(e: Mapping) -> dict:
+    """A copy of an example row (``{"row", "detail"}``) as plain values."""
+    return {"row": int(e["row"]), "detail": str(e["detail"])}
 
 
 @dataclass
@@ -159,6 +159,5 @@ def format_skips(skipped: Mapping[str, Mapping]) -> list[str]:
     for reason, info in skipped.items():
         lines.append(f"  {reason:<28}{info['count']:>8}")
         for e in info["examples"]:
-            e = _example(e)
             lines.append(f"      row {e['row']}: {e['detail'] or '(no detail)'}")
     return lines

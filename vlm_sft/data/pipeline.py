@@ -332,7 +332,8 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
         packed += len(pack.samples)
         patches.append(pack.num_patches)
     accounting = pipeline.accounting
-    assert accounting.buffered == 0 and accounting.packed == packed, "a sample was lost or counted twice"
+    if accounting.buffered != 0 or accounting.packed != packed:  # seen == packed + skipped after a whole pass
+        raise AssertionError(f"sample accounting failed: {packed} samples in packs, {accounting.to_dict()}")
     return {
         "samples_seen": accounting.seen,
         "samples_packed": packed,

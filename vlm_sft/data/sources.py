@@ -153,11 +153,11 @@ def rows_to_dataset(rows: list[Mapping]) -> datasets.Dataset:
     return datasets.Dataset.from_dict({k: [r.get(k) for r in normalized] for k in columns})
 
 
-def _local_path(path_or_id: str | os.PathLike) -> Path | None:
-    """The local file or folder ``path_or_id`` names; None for a hub dataset id.
+def local_path(path_or_id: str | os.PathLike) -> Path | None:
+    """The local file or folder ``path_or_id`` names; None for a hub dataset id (prepared and streamed sources alike).
 
-    A name that looks local (a path object, a data-file suffix, a leading ``.`` / ``/`` / ``~``, or a first
-    component that is a local folder) but does not exist is a ``FileNotFoundError`` now, never a hub lookup
+    A name that looks local (a path object, a data-file suffix, a leading ``.`` / ``/`` / ``~``, more than one ``/``,
+    or a first component that is a local folder) but does not exist is a ``FileNotFoundError`` now, never a hub lookup
     (which would fail later with a confusing "Couldn't reach ... on the Hub").
     """
     text = os.fspath(path_or_id)
@@ -169,11 +169,12 @@ def _local_path(path_or_id: str | os.PathLike) -> Path | None:
         isinstance(path_or_id, os.PathLike)
         or text.lower().endswith(tuple(_FILE_KINDS))
         or text.startswith((".", "/", "~"))
+        or text.count("/") > 1
         or (len(parts) > 1 and Path(parts[0]).is_dir())
     )
     if looks_local:
         raise FileNotFoundError(
-            f"data file or folder not found: {path.absolute()} (fix the path; a hub dataset is given as org/name)"
+            f"no such file or folder: {path.absolute()} (fix the data path; a hub dataset is given as org/name)"
         )
     return None
 
@@ -224,7 +225,7 @@ def load_conversations(
     hub dataset may also read the ``datasets`` / hub caches, where ``datasets`` keeps its own image files).
     A missing local path raises ``FileNotFoundError`` without asking the hub.
     """
-    local = _local_path(path_or_id)
+    local = local_path(path_or_id)
     allowed = tuple(allowed_image_roots)
     if local is not None:
         ds = _load_local(local, cache_dir)
@@ -454,8 +455,26 @@ class RenderFn:
     """Anything with ``render(messages, *, tools, sample_index) -> RenderedSample``."""
 
     def __call__(self, index: int) -> RenderedSample:
-        conversation = self.source[index]  # conversion errors already name the row
-        return self.renderer.render(conversation.messages, tools=conversation.tools, sample_index=index)
+        return render_conversation(self.renderer, self.source[index])  # conversion errors already name the row
+
+
+@dataclass(frozen=True)
+class RowRenderFn:
+    """``(raw row, index) -> RenderedSample`` for rows read elsewhere (a stream): the same conversion, image policy
+    and rendering as ``RenderFn``; picklable."""
+
+    convert: RowConverter
+    """Row shape rules, numbers as text, the image-root policy."""
+    renderer: Any
+    """Anything with ``render(messages, *, tools, sample_index) -> RenderedSample``."""
+
+    def __call__(self, row: Mapping, index: int) -> RenderedSample:
+        return render_conversation(self.renderer, self.convert(row, index))
+
+
+def render_conversation(renderer: Any, conversation: Conversation) -> RenderedSample:
+    """The rendered sample of ``conversation``, carrying its row index."""
+    return renderer.render(conversation.messages, tools=conversation.tools, sample_index=conversation.index)
 
 
 def render_fn(source: ConversationSource, renderer: Any) -> Callable[[int], RenderedSample]:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from renderers.types import RenderedSample
+from vlm_sft.data.sources import local_path
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,12 @@ def local_files(source: str | os.PathLike, kind: DataKind | None = None) -> tupl
 
     A folder contributes every ``.parquet`` / ``.jsonl`` / ``.json`` file below it (hidden folders left out), in
     sorted path order: the order decides which shard reads which file, so it must be the same on every process."""
-    path = Path(source).expanduser()
+    path = local_path(source)  # a missing local-looking path is FileNotFoundError, never a hub lookup
+    if path is None:
+        return None
     if path.is_file():
         files = [path]
-    elif path.is_dir():
+    else:
         files = sorted(
             (p for p in path.rglob("*") if p.is_file() and _kind_of(p) and not _hidden(p.relative_to(path))),
             key=lambda p: p.as_posix(),
@@ -76,10 +79,6 @@ def local_files(source: str | os.PathLike, kind: DataKind | None = None) -> tupl
         if not files:
             wanted = ", ".join(s for s, k in SUFFIXES.items() if kind in (None, k))
             raise FileNotFoundError(f"{source}: no {wanted} files in this folder; point data.source at the shards")
-    elif _looks_local(str(source)):
-        raise FileNotFoundError(f"{source}: no such file or folder (a hub dataset id looks like 'org/name')")
-    else:
-        return None
     kinds = {_kind_of(p) for p in files}
     if kind is None:
         if len(kinds) != 1 or None in kinds:
@@ -95,11 +94,6 @@ def _kind_of(path: Path) -> DataKind | None:
 
 def _hidden(relative: Path) -> bool:
     return any(part.startswith((".", "_")) for part in relative.parts)
-
-
-def _looks_local(source: str) -> bool:
-    """A path that does not exist, rather than a hub id (``name`` or ``org/name``)."""
-    return source.startswith(("/", ".", "~")) or source.count("/") > 1 or Path(source).suffix.lower() in SUFFIXES
 
 
 def open_stream(

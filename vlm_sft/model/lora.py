@@ -23,14 +23,15 @@ TEXT_MODEL_PREFIX = "model.language_model."
 """Where the text model's modules live in ``Qwen3_5VLM`` (and in transformers' ``Qwen3_5ForConditionalGeneration``)."""
 
 
+def _text_linears(model: nn.Module) -> list[str]:
+    """Full names of the text model's ``nn.Linear`` modules."""
+    return [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith(TEXT_MODEL_PREFIX)]
+
+
 def lora_target_names(model: nn.Module, targets: Sequence[str]) -> list[str]:
     """Full names of the text model's ``nn.Linear`` modules whose last name part is in ``targets``."""
     wanted = set(targets)
-    return [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.startswith(TEXT_MODEL_PREFIX) and name.rsplit(".", 1)[-1] in wanted
-    ]
+    return [name for name in _text_linears(model) if name.rsplit(".", 1)[-1] in wanted]
 
 
 def attach_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, targets: Sequence[str]) -> list[str]:
@@ -44,18 +45,10 @@ def attach_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, targe
     found = {n.rsplit(".", 1)[-1] for n in names}
     missing = [t for t in targets if t not in found]
     if missing:
-        available = sorted(
-            {
-                n.rsplit(".", 1)[-1]
-                for n, m in model.named_modules()
-                if isinstance(m, nn.Linear) and n.startswith(TEXT_MODEL_PREFIX)
-            }
-        )
+        available = sorted({n.rsplit(".", 1)[-1] for n in _text_linears(model)})
         raise ValueError(f"LoRA targets {missing} match no module of this model's text model; available: {available}")
-    for p in model.parameters():
-        p.requires_grad_(False)
     inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=names), model)
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # the adapters train; the base and the vision tower stay frozen
         p.requires_grad_(".lora_A." in name or ".lora_B." in name)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

@@ -20,7 +20,14 @@ from vlm_sft.config import SHAPES_DATASET, TINY_MODEL, ConfigError, RunConfig
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.shapes import materialize_shapes
-from vlm_sft.data.sources import ConversationSource, RowConverter, hub_cache_roots, load_conversations, render_fn
+from vlm_sft.data.sources import (
+    ConversationSource,
+    RowConverter,
+    RowRenderFn,
+    hub_cache_roots,
+    load_conversations,
+    render_fn,
+)
 from vlm_sft.data.streaming import StreamingRows, local_files
 
 logger = logging.getLogger(__name__)
@@ -73,18 +80,6 @@ class StreamedSource:
             folder = Path(d.source).expanduser()
             root = d.image_root or str(folder if folder.is_dir() else folder.parent)
         return cls(d.source, d.split, ImageRoots(root, allowed))
-
-
-@dataclass(frozen=True)
-class _RenderRow:
-    """A streamed row -> ``RenderedSample`` (the same conversion and image policy as a prepared source)."""
-
-    convert: RowConverter
-    renderer: Any
-
-    def __call__(self, row: dict, index: int) -> RenderedSample:
-        conversation = self.convert(row, index)
-        return self.renderer.render(conversation.messages, tools=conversation.tools, sample_index=index)
 
 
 @dataclass(frozen=True)
@@ -174,7 +169,7 @@ def build_pipeline(
     shuffle = d.shuffle if shuffle is None else shuffle
     order = None
     if isinstance(source, StreamedSource):
-        convert = _RenderRow(RowConverter(None, source.images), renderer)
+        convert = RowRenderFn(RowConverter(None, source.images), renderer)
         order = StreamingRows(
             source.path, row_to_sample=convert, shard=shard, num_shards=num_shards, split=source.split,
             shuffle_files=shuffle, seed=cfg.train.seed,
