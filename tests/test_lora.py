@@ -4,13 +4,17 @@ base weights stay bitwise unchanged) and writes a PEFT adapter beside the merged
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import run_training, tiny_run_args
+from train_helpers import launch_env, run_training, tiny_run_args, train_command
 
-from vlm_sft.config import ConfigError, load_config
+from vlm_sft.config import REPO_ROOT, ConfigError, load_config
 from vlm_sft.trainer import build
 
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.vlm.freeze_vision": True}
@@ -23,6 +27,7 @@ LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.vlm.freeze_vision": Tru
         (["--model.lora.target_modules", '["qkv"]'], "vision-tower"),
         (["--model.lora.target_modules", '["attn_out"]'], "available: q_proj"),
         (["--model.lora.target_modules", '["in_proj_b"]'], "in_proj_ba"),
+        (["--model.lora.modules_to_save", '["merger"]'], "available: embed_tokens, lm_head"),
     ],
 )
 def test_configs_that_cannot_work_are_refused_with_the_fix(overrides, needle):
@@ -40,14 +45,82 @@ def test_partial_fused_group_is_accepted_only_when_asked():
     assert cfg.model.lora.target_modules == ["in_proj_b", "q_proj"]
 
 
+def _lora_config(*extra: str):
+    return load_config(None, ["--model.vlm.freeze_vision", "true", "--model.lora.r", "4", *extra])
+
+
 def test_only_the_text_models_adapters_train():
-    cfg = load_config(None, ["--model.vlm.freeze_vision", "true", "--model.lora.r", "4"])
+    cfg = _lora_config()
     model = build.build_model(cfg, torch.device("cpu"))
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert all(n.startswith("model.language_model.") for n in trainable)  # never the vision tower
     adapted = {n.rsplit(".", 3)[0].rsplit(".", 1)[-1] for n in trainable}
     assert adapted == set(cfg.model.lora.target_modules)
+
+
+def test_modules_to_save_train_in_place_and_tied_embeddings_are_refused():
+    model = build.build_model(_lora_config("--model.lora.modules_to_save", '["lm_head"]'), torch.device("cpu"))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
+    assert trainable == ["lm_head.weight"]  # the module keeps its path: no peft wrapper, no second copy
+    from vlm_sft.model.lora import save_module_names
+
+    class Tied(torch.nn.Module):  # what a checkpoint with tie_word_embeddings (e.g. Qwen3.5-0.8B) looks like
+        tied_embeddings = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = torch.nn.Linear(2, 2)
+
+    assert save_module_names(model, ["lm_head"]) == ["lm_head"]
+    with pytest.raises(ValueError, match="ties lm_head to embed_tokens"):
+        save_module_names(Tied(), ["lm_head"])
+
+
+def _bf16_lora_model(dtype: str) -> torch.nn.Module:
+    """The tiny LoRA model (lm_head trained too) for a bf16 run (``store``: the frozen base in bf16) or with every
+    parameter in fp32; lora_B randomized the same way in both (peft starts it at zero)."""
+    cfg = _lora_config("--model.lora.modules_to_save", '["lm_head"]', "--model.dtype", dtype, "--train.device", "auto")
+    model = build.build_model(cfg, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def test_a_bf16_lora_run_keeps_the_frozen_base_in_bf16_with_the_same_numbers():
+    """A bf16 LoRA model stores the frozen base and vision tower in bf16 beside fp32 adapters and lm_head (one FSDP2
+    unit holds both dtypes). Under FSDP2 mixed precision, which computes in bf16 anyway, its loss and every trainable
+    gradient equal those of the same model stored in fp32, bitwise, for half the frozen bytes."""
+    from test_host_syncs import _batch
+
+    from vlm_sft.trainer import distributed
+    from vlm_sft.trainer.distributed import shard_model
+
+    stored, full = _bf16_lora_model("bfloat16"), _bf16_lora_model("float32")
+    assert {p.dtype for p in stored.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in stored.parameters() if p.requires_grad} == {torch.float32}
+    frozen_bytes = [sum(p.nbytes for p in m.parameters() if not p.requires_grad) for m in (stored, full)]
+    assert 2 * frozen_bytes[0] == frozen_bytes[1]
+    batch = _batch()
+    env = SimpleNamespace(sharded=True, device=torch.device("cpu"), world_size=1)
+    distributed.dist.init_process_group("cpu:gloo", store=distributed.dist.HashStore(), rank=0, world_size=1)
+    try:
+        losses, grads = [], []
+        for model in (stored, full):
+            model = shard_model(model, env, param_dtype=torch.bfloat16)
+            loss = model(**batch.model_kwargs()).loss_sum
+            loss.backward()
+            losses.append(float(loss))
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters() if p.requires_grad})
+    finally:
+        distributed.dist.destroy_process_group()
+    assert losses[0] == losses[1]
+    assert grads[0].keys() == grads[1].keys() and "lm_head.weight" in grads[0]
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert {g.dtype for g in grads[0].values()} == {torch.float32}
 
 
 def _dcp_model_state(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
@@ -58,29 +131,46 @@ def _dcp_model_state(checkpoint: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 
 def _assert_only_adapters_moved(run: Path, args: list[str], tmp: Path) -> None:
-    """Base weights bitwise equal to the run's start (rebuilt from the same seeds), adapters trained."""
+    """The checkpoints hold only what trains (adapters, lm_head); the merged final/ is exactly the merge of the
+    run's starting base (rebuilt from the same seeds) with the trained adapter and head, so no base weight moved."""
+    from safetensors.torch import load_file
+
+    from vlm_sft.model.checkpoint_io import load_hf_state_dict
+    from vlm_sft.model.lora_export import PEFT_PREFIX, merged_state_dict
+
     cfg = load_config(None, args)
     start = build.build_model(cfg, torch.device("cpu")).state_dict()
-    after = _dcp_model_state(run / "checkpoints" / "step-000002", tmp)
-    assert after.keys() == start.keys()
-    base = [k for k in start if ".lora_" not in k]
-    assert all(torch.equal(after[k], start[k]) for k in base), "a base weight moved"
-    assert any(not torch.equal(after[k], start[k]) for k in start if ".lora_B." in k), "the adapters did not train"
+    checkpoint = run / "checkpoints" / "step-000002"
+    saved = _dcp_model_state(checkpoint, tmp)
+    assert saved.keys() == {k for k in start if ".lora_" in k or k == "lm_head.weight"}
+    assert sorted(p.name for p in (checkpoint / "hf").iterdir()) == ["adapter"]  # no merged copy per checkpoint
+    adapter = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
+    trained = {k.removeprefix(PEFT_PREFIX).replace(".weight", ".default.weight"): v for k, v in adapter.items()}
+    trained["lm_head.weight"] = trained.pop("lm_head.default.weight")
+    assert any(not torch.equal(trained[k], start[k]) for k in trained if ".lora_B." in k), "the adapters did not train"
+    assert not torch.equal(trained["lm_head.weight"], start["lm_head.weight"]), "lm_head did not train"
+    expected = merged_state_dict({**start, **trained}, alpha=cfg.model.lora.alpha, r=cfg.model.lora.r)
+    final = load_hf_state_dict(run / "final")
+    assert final.keys() == expected.keys()
+    moved = [k for k in final if not torch.equal(final[k], expected[k])]
+    assert not moved, f"base weights moved: {moved[:4]}"
 
 
 def _assert_adapter_and_merged_written(final: Path) -> None:
     config = json.loads((final / "adapter" / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and config["base_model_name_or_path"] == "tiny"
+    assert config["modules_to_save"] == ["lm_head"]
     assert (final / "adapter" / "adapter_model.safetensors").is_file()
     assert (final / "config.json").is_file() and (final / "tokenizer.json").is_file()  # merged weights + processor
 
 
-def test_packed_rows_give_the_adapters_the_gradient_of_each_sample_alone(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_rows_give_the_adapters_the_gradient_of_each_sample_alone(tmp_path, dtype):
     """The packing self-check on a LoRA model: every lora_B randomized first (peft starts it at zero, which would
-    leave lora_A without any gradient to compare), dropout 0."""
+    leave lora_A without any gradient to compare), dropout 0; in bf16 with the frozen base stored in bf16."""
     from vlm_sft.trainer.self_check import run_packing_check
 
-    args = tiny_run_args(tmp_path, **LORA)
+    args = tiny_run_args(tmp_path, **LORA, **{"model.dtype": dtype, "train.device": "auto"})
     cfg = load_config(None, args)
     processor = build.build_processor(cfg)
     model = build.build_model(cfg, torch.device("cpu"))
@@ -108,12 +198,26 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: f
     assert worst <= tol, worst
 
 
+def _killed_after(args: list[str], checkpoint: Path) -> None:
+    """Starts a run and SIGKILLs it as soon as ``checkpoint`` is complete."""
+    proc = subprocess.Popen(
+        train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 120
+    while not (checkpoint / "COMPLETE").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+
 @pytest.mark.slow
 def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp_path):
-    """A 1-rank LoRA run (2 data shares x 4 micro-batches) moves only the adapters and writes the PEFT adapter and
-    the merged weights; 2 ranks x 2 micro-batches train the same adapters; resuming the 1-rank run from its step-1
-    checkpoint (adapter, optimizer state, data position) ends with the same adapters."""
-    common = {**LORA, "train.max_steps": 3, "train.save_every": 1}
+    """A 1-rank LoRA run with lm_head in modules_to_save (2 data shares x 4 micro-batches) moves only the adapters
+    and the head, keeps only them in its checkpoints, and writes the PEFT adapter and the merged weights; 2 ranks x 2
+    micro-batches train the same adapters; a run SIGKILLed after its step-2 checkpoint and resumed (adapters,
+    optimizer state, data position on the rebuilt base) ends with exactly the same adapters."""
+    common = {**LORA, "model.lora.modules_to_save": ["lm_head"], "train.max_steps": 6, "train.save_every": 2}
     one = tmp_path / "one"
     one_args = tiny_run_args(one, **common, **{"train.micro_batches": 4, "data.num_workers": 2})
     run_training(one_args)
@@ -123,11 +227,8 @@ def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp
     run_training(tiny_run_args(two, **common, **{"train.micro_batches": 2}), nproc=2)
     _assert_close(_adapter(one / "run"), _adapter(two / "run"), 1e-5)
 
-    resumed = tmp_path / "resumed"
-    checkpoint = one / "run" / "checkpoints" / "step-000001"
-    run_training(
-        tiny_run_args(
-            resumed, **common, **{"train.micro_batches": 4, "data.num_workers": 2, "train.resume": str(checkpoint)}
-        )
-    )
-    _assert_close(_adapter(one / "run"), _adapter(resumed / "run"), 0.0)
+    victim = tmp_path / "victim"
+    victim_args = tiny_run_args(victim, **common, **{"train.micro_batches": 4, "data.num_workers": 2})
+    _killed_after(victim_args, victim / "run" / "checkpoints" / "step-000002")
+    run_training([*victim_args, "--train.resume", "latest"])
+    _assert_close(_adapter(one / "run"), _adapter(victim / "run"), 0.0)

@@ -184,3 +184,45 @@ def test_targets_that_reach_other_modules_are_refused(adapted, tmp_path):
     short = sorted({t.rsplit(".", 1)[-1] for t in targets})
     save_adapter(tmp_path, state, target_modules=short, **common)  # suffixes that select exactly the same modules
     assert set(adapter_state_dict(state)) == set(load_file(tmp_path / ADAPTER_WEIGHTS))
+
+
+def test_adapter_only_state_is_checked_against_the_models_parameter_names(adapted, tmp_path):
+    """What a LoRA checkpoint export gathers (the trainable tensors only) writes the same folder, given the model's
+    parameter names; without them the target check has no base module to match and refuses."""
+    _, _, state, targets = adapted
+    common = {"r": R, "alpha": ALPHA, "dropout": 0.0, "base_model_name_or_path": "base", "target_modules": targets}
+    lora_only = {k: v for k, v in state.items() if ".lora_" in k}
+    save_adapter(tmp_path / "a", lora_only, parameter_names=list(state), **common)
+    save_adapter(tmp_path / "b", state, **common)
+    a, b = load_file(tmp_path / "a" / ADAPTER_WEIGHTS), load_file(tmp_path / "b" / ADAPTER_WEIGHTS)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="and miss"):
+        save_adapter(tmp_path / "c", lora_only, **common)
+
+
+def test_modules_to_save_travel_in_the_adapter_and_in_the_merge(adapted, batch, folders, tmp_path):
+    """An lm_head trained in place beside the adapters (``modules_to_save``): peft restores it from the adapter
+    folder (no missing or unexpected key) and gives the adapted model's logits; the merged weights carry it too."""
+    import copy
+
+    _, model, state, targets = adapted
+    gen = torch.Generator().manual_seed(2)
+    head = state["lm_head.weight"] + 0.05 * torch.randn(state["lm_head.weight"].shape, generator=gen)
+    trained = copy.deepcopy(model)
+    with torch.no_grad():
+        trained.lm_head.weight.copy_(head)
+    want = ours_logits(trained, batch)
+    assert not close(want, ours_logits(model, batch), tol=1e-3), "the trained head barely changes the logits"
+    state = {**state, "lm_head.weight": head}
+    save_adapter(
+        tmp_path, state, r=R, alpha=ALPHA, dropout=0.0, target_modules=targets,
+        base_model_name_or_path=str(folders[0]), modules_to_save=["lm_head"],
+    )  # fmt: skip
+    assert "base_model.model.lm_head.weight" in load_file(tmp_path / ADAPTER_WEIGHTS)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    peft_model, result, messages = _load_with_peft(folders[0], tmp_path)
+    assert not messages and result.missing_keys == [] and result.unexpected_keys == []
+    assert close(theirs_logits(peft_model, batch), want)
+    assert torch.equal(merged_state_dict(state, alpha=ALPHA, r=R)["lm_head.weight"], head)
+    with pytest.raises(ValueError, match="name no tensor"):
+        adapter_state_dict(state, ["norm_out"])

@@ -52,6 +52,8 @@ LORA_TEXT_TARGETS = (
 """Every linear projection of the Qwen3.5 text model, by transformers' names (full attention, GatedDeltaNet, MLP)."""
 LORA_VISION_NAMES = ("qkv", "proj", "linear_fc1", "linear_fc2")
 """The vision tower's linear names: peft matches targets by name suffix, so these would adapt the tower."""
+LORA_SAVE_MODULES = ("embed_tokens", "lm_head")
+"""Text-model modules that ``model.lora.modules_to_save`` may train fully beside the adapters (peft's names)."""
 LORA_FUSED_GROUPS = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
 """GatedDeltaNet projections that serving engines (vLLM, SGLang) fuse into one matrix: adapt all of a group or none."""
 
@@ -67,6 +69,9 @@ class LoraSettings(_Section):
     """Dropout on the adapter's input (0 keeps a packed row exactly equal to its samples alone)."""
     target_modules: list[str] = list(LORA_TEXT_TARGETS)
     """Text-model projections to adapt, by transformers' Qwen3.5 names (default: all of them)."""
+    modules_to_save: list[str] = []
+    """Modules trained fully beside the adapters (``embed_tokens``, ``lm_head``), e.g. for new tokens; written to
+    the adapter folder as peft's ``modules_to_save`` and kept in float32 like the adapters."""
     allow_partial_fused: bool = False
     """Accept targets that split a GatedDeltaNet fused group (``in_proj_qkv`` + ``in_proj_z``, ``in_proj_b`` +
     ``in_proj_a``): vLLM and SGLang fuse them and crash on, or silently drop, such adapters."""
@@ -85,6 +90,12 @@ class LoraSettings(_Section):
             raise ConfigError(
                 f"model.lora.target_modules {unknown or '[]'} match no text-model projection; "
                 f"available: {', '.join(LORA_TEXT_TARGETS)}"
+            )
+        odd = [m for m in self.modules_to_save if m not in LORA_SAVE_MODULES]
+        if odd:
+            raise ConfigError(
+                f"model.lora.modules_to_save {odd} are not text-model modules that can be trained fully beside the "
+                f"adapters; available: {', '.join(LORA_SAVE_MODULES)} (the vision tower is never trained with LoRA)"
             )
         for fused, members in LORA_FUSED_GROUPS.items():
             chosen = [m for m in members if m in self.target_modules]

@@ -8,6 +8,12 @@ The targets are passed as full module names under ``model.language_model``: peft
 anywhere in the model, and the vision tower has its own ``qkv`` / ``proj`` / ``linear_fc*``, so short names could
 adapt the tower by accident. After injection only the adapters require gradients: the base weights are frozen (and
 stay bitwise unchanged), the vision tower was frozen already (a LoRA run never trains it).
+
+``modules_to_save`` (``embed_tokens``, ``lm_head``) are trained in place rather than through peft's
+``ModulesToSaveWrapper``: the wrapper keeps a second, frozen copy of the module (for ``lm_head`` of a 248k
+vocabulary at 4096 wide, another 1 B parameters) to switch adapters, which a training run never does, and moves the
+weight to ``X.modules_to_save.default.weight``. In place, the math is the same, module paths stay transformers', and
+the adapter folder still holds the module under the key ``PeftModel`` loads (``lora_export``).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -34,8 +41,30 @@ def lora_target_names(model: nn.Module, targets: Sequence[str]) -> list[str]:
     return [name for name in _text_linears(model) if name.rsplit(".", 1)[-1] in wanted]
 
 
-def attach_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, targets: Sequence[str]) -> list[str]:
-    """Inject LoRA adapters (peft, adapter ``default``) into the text model's ``targets``; freeze everything else.
+def save_module_names(model: nn.Module, modules_to_save: Sequence[str]) -> list[str]:
+    """Full names of the modules ``modules_to_save`` trains; tied embeddings are refused (one weight, two names:
+    peft would need both wrapped and tied, and training one silently trains the other)."""
+    names = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in set(modules_to_save)]
+    names = [n for n in names if n == "lm_head" or n.startswith(TEXT_MODEL_PREFIX)]
+    if names and getattr(model, "tied_embeddings", False):
+        raise ValueError(
+            f"model.lora.modules_to_save {list(modules_to_save)}: this checkpoint ties lm_head to embed_tokens "
+            "(tie_word_embeddings), so training either trains both; leave modules_to_save empty, or fine-tune fully"
+        )
+    return names
+
+
+def attach_lora(
+    model: nn.Module,
+    *,
+    r: int,
+    alpha: float,
+    dropout: float,
+    targets: Sequence[str],
+    modules_to_save: Sequence[str] = (),
+) -> list[str]:
+    """Inject LoRA adapters (peft, adapter ``default``) into the text model's ``targets``, unfreeze
+    ``modules_to_save``; freeze everything else.
 
     Returns the full names of the adapted modules. Raises when a target matches no module of this model.
     """
@@ -47,13 +76,31 @@ def attach_lora(model: nn.Module, *, r: int, alpha: float, dropout: float, targe
     if missing:
         available = sorted({n.rsplit(".", 1)[-1] for n in _text_linears(model)})
         raise ValueError(f"LoRA targets {missing} match no module of this model's text model; available: {available}")
+    saved = save_module_names(model, modules_to_save)
     inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=names), model)
     for name, p in model.named_parameters():  # the adapters train; the base and the vision tower stay frozen
-        p.requires_grad_(".lora_A." in name or ".lora_B." in name)
+        module = name.rsplit(".", 1)[0]
+        p.requires_grad_(".lora_A." in name or ".lora_B." in name or module in saved)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     logger.info(
-        "LoRA r=%d alpha=%g on %d modules: %d trainable of %d parameters (%.2f%%)",
-        r, alpha, len(names), trainable, total, 100 * trainable / max(total, 1),
+        "LoRA r=%d alpha=%g on %d modules%s: %d trainable of %d parameters (%.2f%%)",
+        r, alpha, len(names), f" (+ {', '.join(saved)} trained fully)" if saved else "", trainable, total,
+        100 * trainable / max(total, 1),
     )  # fmt: skip
     return names
+
+
+def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep the frozen parameters (the base and the vision tower) in ``dtype`` and every trainable one in float32.
+
+    For bf16 LoRA runs: the frozen base is most of the memory and FSDP2's mixed precision computes in bf16 anyway, so
+    storing it in bf16 gives the same numbers at half the bytes. FSDP2 accepts frozen parameters of another dtype
+    beside the trainable ones in one unit, but trainable parameters must share one dtype: float32. Buffers (rotary
+    frequencies) are left as they are.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            want = torch.float32 if p.requires_grad else dtype
+            if p.is_floating_point() and p.dtype != want:
+                p.data = p.data.to(want)

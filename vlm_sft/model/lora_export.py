@@ -86,13 +86,28 @@ def merged_state_dict(state: dict[str, torch.Tensor], *, alpha: float, r: int) -
     return out
 
 
-def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter tensors under the keys PEFT files use: ``base_model.model.X.lora_A.weight`` (no adapter name)."""
+def saved_module_keys(state: dict[str, torch.Tensor], modules_to_save: Sequence[str]) -> list[str]:
+    """Keys of the fully trained ``modules_to_save`` (``lm_head.weight``, ``model.language_model.embed_tokens.weight``):
+    their module's last name is listed, outside the vision tower (the trainer trains these in place)."""
+    wanted = set(modules_to_save)
+    keys = [k for k in state if ".lora_" not in k and _BASE not in k and "." in k]
+    return [k for k in keys if k.rsplit(".", 2)[-2] in wanted and not k.startswith("model.visual.")]
+
+
+def adapter_state_dict(state: dict[str, torch.Tensor], modules_to_save: Sequence[str] = ()) -> dict[str, torch.Tensor]:
+    """The adapter tensors under the keys PEFT files use: ``base_model.model.X.lora_A.weight`` (no adapter name),
+    and each ``modules_to_save`` tensor as ``base_model.model.lm_head.weight`` (peft's ``ModulesToSaveWrapper`` saves
+    its trained copy without its ``modules_to_save.default`` segment and restores it on load)."""
     _check_full(state)
     out: dict[str, torch.Tensor] = {}
     for m in _lora_modules(state):
         for part, key in (("lora_A", _LORA_A), ("lora_B", _LORA_B)):
             out[f"{PEFT_PREFIX}{m}.{part}.weight"] = state[m + key]
+    saved = saved_module_keys(state, modules_to_save)
+    found = {k.rsplit(".", 2)[-2] for k in saved}
+    if set(modules_to_save) - found:
+        raise ValueError(f"modules_to_save {sorted(set(modules_to_save) - found)} name no tensor of the state dict")
+    out.update({f"{PEFT_PREFIX}{k}": state[k] for k in saved})
     return out
 
 
@@ -101,13 +116,15 @@ def _matches(module: str, target_modules: Sequence[str]) -> bool:
     return any(module == t or module.endswith("." + t) for t in target_modules)
 
 
-def _check_targets(state: dict[str, torch.Tensor], modules: list[str], target_modules: Sequence[str]) -> None:
+def _check_targets(parameter_names: Sequence[str], modules: list[str], target_modules: Sequence[str]) -> None:
     """The targets written to the config must select the adapted modules and no others when PEFT loads them.
 
     A short name that also names a vision-tower linear (``proj``, ``qkv``) would make PeftModel add adapters there
     that the file does not hold: its missing-keys warning then fires, and the tower runs with zero-initialized B.
     """
-    weighted = {k.removesuffix(".weight").removesuffix(_BASE.rstrip(".")) for k in state if k.endswith(".weight")}
+    weighted = {
+        k.removesuffix(".weight").removesuffix(_BASE.rstrip(".")) for k in parameter_names if k.endswith(".weight")
+    }
     selected = {n for n in weighted if ".lora_" not in n and _matches(n, target_modules)}
     if selected != set(modules):
         extra, unmatched = sorted(selected - set(modules)), sorted(set(modules) - selected)
@@ -126,32 +143,37 @@ def save_adapter(
     dropout: float,
     target_modules: Sequence[str],
     base_model_name_or_path: str,
+    modules_to_save: Sequence[str] = (),
+    parameter_names: Sequence[str] | None = None,
 ) -> Path:
     """Writes a PEFT LoRA adapter folder that ``PeftModel.from_pretrained(base, directory)`` loads; returns it.
 
-    ``state`` is the adapted model's full state dict (base weights are not written). ``target_modules`` are the
-    names peft will match in the base model (full module names or suffixes); they are checked to select exactly
-    the modules that have adapters. ``task_type`` is ``CAUSAL_LM``, what tools that serve text-generation adapters
-    (vLLM, the hub) expect; the key layout does not depend on it.
+    ``state`` is the adapted model's state dict (base weights are not written). ``target_modules`` are the names
+    peft will match in the base model (full module names or suffixes); they are checked to select exactly the
+    modules that have adapters among ``parameter_names``: the adapted model's parameter names (default: the keys of
+    ``state``, which then must hold the base weights too). ``modules_to_save`` (``lm_head``, ``embed_tokens``) are
+    written whole. ``task_type`` is ``CAUSAL_LM``, what tools that serve text-generation adapters (vLLM, the hub)
+    expect; the key layout does not depend on it.
     """
     from peft import LoraConfig  # only needed to export adapters; keeps peft off the plain model's import path
 
     modules = _lora_modules(state)
     if not modules:
         raise ValueError("state dict has no LoRA weights: was the adapter injected before taking the state dict?")
-    _check_targets(state, modules, target_modules)
+    _check_targets(list(state) if parameter_names is None else parameter_names, modules, target_modules)
     for m in modules:
         if state[m + _LORA_A].shape[0] != r:
             raise ValueError(f"{m}: A has rank {state[m + _LORA_A].shape[0]}, not r={r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(state).items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(state, modules_to_save).items()}
     save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = LoraConfig(
         r=r,
         lora_alpha=alpha,
         lora_dropout=dropout,
         target_modules=list(target_modules),
+        modules_to_save=list(modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model_name_or_path,

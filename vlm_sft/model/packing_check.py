@@ -335,7 +335,7 @@ def check_packing(
     """Packs ``samples`` into one row and compares it against each sample alone, calibrated by a float64 reference.
 
     ``model`` is an unsharded ``Qwen3_5VLM`` with float32 parameters (or a module wrapping one with the same
-    forward). ``compute_dtype`` (e.g. ``torch.bfloat16``) runs the packed and alone passes under that autocast, as
+    forward); frozen ones may be stored in ``compute_dtype``, as a bf16 LoRA run keeps its base. ``compute_dtype`` (e.g. ``torch.bfloat16``) runs the packed and alone passes under that autocast, as
     training does. Cost per sample: the sample alone and its float64 reference (forward + backward each), and for a
     sample with loss tokens two rows of the packed length (packed, and the sample padded; forward + backward each);
     memory: a float64 copy of the parameters. Gradients are taken with ``torch.autograd.grad``: the model's
@@ -346,11 +346,20 @@ def check_packing(
     vlm = next((m for m in model.modules() if isinstance(m, Qwen3_5VLM)), None)
     if vlm is None:
         raise TypeError(f"check_packing needs a Qwen3_5VLM (or a module holding one), got {type(model).__name__}")
-    not_fp32 = sorted({str(p.dtype) for p in vlm.parameters() if p.is_floating_point() and p.dtype != torch.float32})
-    if not_fp32:
+    # Trainable parameters are fp32 master weights; a frozen base may be stored in the compute dtype (bf16 LoRA).
+    allowed = {torch.float32, compute_dtype}
+    odd = sorted(
+        {
+            str(p.dtype)
+            for p in vlm.parameters()
+            if p.is_floating_point() and (p.requires_grad or p.dtype not in allowed)
+        }
+        - {str(torch.float32)}
+    )
+    if odd:
         raise ValueError(
-            f"check_packing needs float32 parameters (master weights), got {not_fp32}: build the model in float32 "
-            "and pass compute_dtype=torch.bfloat16 to check bf16 compute"
+            f"check_packing needs float32 parameters (master weights; frozen ones may be in compute_dtype), got "
+            f"{odd}: build the model in float32 and pass compute_dtype=torch.bfloat16 to check bf16 compute"
         )
     parts = [_sample_inputs(s, i) for i, s in enumerate(samples)]
     reference = reference_model(vlm)

@@ -230,6 +230,7 @@ def build_model(cfg: RunConfig, device: torch.device):
     """
     from vlm_sft.model import Qwen3_5VLM
     from vlm_sft.model import build_model as build_random
+    from vlm_sft.model.lora import store_frozen_in
 
     m = cfg.model
     if m.vlm is None:
@@ -243,14 +244,18 @@ def build_model(cfg: RunConfig, device: torch.device):
         "activation_checkpointing": m.activation_checkpointing,
         "device": device,
     }
-    # bf16 runs keep fp32 master weights; FSDP2 mixed precision computes in bf16 (the trainer sets it up).
+    # bf16 runs keep fp32 master weights; FSDP2 mixed precision computes in bf16 (the trainer sets it up). A bf16
+    # LoRA run loads its frozen base in bf16 (half the memory, the same bf16 compute) beside fp32 adapters.
+    frozen_bf16 = m.lora is not None and m.dtype == "bfloat16"
     if m.name_or_path == TINY_MODEL:
         torch.manual_seed(cfg.train.seed)
         model = build_random(build_model_config(cfg), dtype=torch.float32, **kwargs)
     else:
-        model = Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=torch.float32, **kwargs)
+        load_dtype = torch.bfloat16 if frozen_bf16 else torch.float32
+        model = Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=load_dtype, **kwargs)
     if m.lora is not None:
         _attach_lora(cfg, model)
+        store_frozen_in(model, torch.bfloat16 if frozen_bf16 else torch.float32)
     return model
 
 
@@ -268,7 +273,10 @@ def _attach_lora(cfg: RunConfig, model: torch.nn.Module) -> None:
             split,
         )
     torch.manual_seed(cfg.train.seed + 1)  # adapter init, the same on every rank
-    attach_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
+    attach_lora(
+        model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules,
+        modules_to_save=lora.modules_to_save,
+    )  # fmt: skip
 
 
 def resolve_output_dir(cfg: RunConfig) -> Path:

@@ -3,9 +3,10 @@
 Layout under ``<output_dir>/checkpoints``::
 
     step-000100/            complete checkpoint (has COMPLETE)
-        model + optimizer   DCP shards, written by every rank
+        model + optimizer   DCP shards, written by every rank (LoRA runs: adapters and their optimizer state only)
         rank00000.pt        per-rank trainer state: step, scheduler, data pipeline, RNG
-        hf/                 the same weights as an HF directory with processor and tokenizer (when the trainer asks)
+        hf/                 the same weights as an HF directory with processor and tokenizer (when the trainer asks;
+                            LoRA runs: hf/adapter/ only, the merged copy is written to final/)
         COMPLETE
     step-000200.tmp/        a save in progress, or one killed mid-write: never loaded, removed by the next save
 
@@ -117,8 +118,12 @@ def save_checkpoint(
     env: DistEnv,
     keep_last: int,
     write_extra: Callable[[Path], None] | None = None,
+    trainable_only: bool = False,
 ) -> Path:
     """Write a resumable checkpoint for ``state.step`` atomically; every rank must call this.
+
+    ``trainable_only`` (LoRA runs): only the parameters that train, with their optimizer state; the frozen base is
+    not written, since the run rebuilds it from ``model.name_or_path`` (a 9B base would be 18 GB per checkpoint).
 
     ``write_extra(tmp_dir)`` runs on every rank before the checkpoint is marked complete (the trainer writes the HF
     export there), so the extra files appear and disappear together with the checkpoint.
@@ -130,7 +135,7 @@ def save_checkpoint(
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     with all_ranks_or_none(env, f"writing the trainer state into {tmp}"):
         torch.save(state.__dict__, tmp / f"rank{env.rank:05d}.pt")
@@ -150,10 +155,17 @@ def save_checkpoint(
     return final
 
 
+def _options(trainable_only: bool) -> StateDictOptions:
+    """What a checkpoint holds: every parameter, or (``trainable_only``) the ones that train; the loader asks for
+    the same keys, so a strict load would only flag the frozen ones it was told to leave alone."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
 def load_checkpoint(
-    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv
+    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv, trainable_only: bool = False
 ) -> TrainerState:
-    """Restore model and optimizer in place and return this rank's trainer state; every rank must call this."""
+    """Restore model and optimizer in place and return this rank's trainer state; every rank must call this.
+    ``trainable_only`` must match the save's: a LoRA run restores its adapters onto the rebuilt frozen base."""
     path = Path(path)
     rank_file = path / f"rank{env.rank:05d}.pt"
     with all_ranks_or_none(env, f"opening the checkpoint {path}"):
@@ -162,16 +174,19 @@ def load_checkpoint(
                 f"{rank_file} is missing: the checkpoint was written by a job with a different world size "
                 f"({(path / COMPLETE_MARKER).read_text().strip()}); resume with the same number of processes"
             )
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    options = _options(trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     with all_ranks_or_none(env, f"reading {rank_file}"):
         raw = torch.load(rank_file, weights_only=False)
     logger.info("resumed from %s at step %d", path, raw["step"])
     return TrainerState(**raw)
 
 
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole (unsharded) state dict on CPU, on rank 0 (empty elsewhere); every rank must call this."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state_dict(model: nn.Module, *, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole (unsharded) state dict on CPU, on rank 0 (empty elsewhere); every rank must call this.
+    ``trainable_only``: only parameters that require gradients (a LoRA run's adapters)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)

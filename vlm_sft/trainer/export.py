@@ -14,21 +14,27 @@ from vlm_sft.trainer.checkpoint import full_state_dict
 from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none
 
 
-def export_final(directory: Path, model: torch.nn.Module, processor, env: DistEnv, cfg: RunConfig) -> Path:
+def export_final(
+    directory: Path, model: torch.nn.Module, processor, env: DistEnv, cfg: RunConfig, *, merge: bool | None = None
+) -> Path:
     """Write the HF checkpoint: weights + config, then processor and tokenizer (tokenizer last, verified on reload).
 
-    LoRA runs write the adapter in PEFT's format to ``<directory>/adapter`` and, unless ``train.merge_lora`` is
-    false, the merged full weights (base + adapter) as the HF checkpoint itself."""
-    state = full_state_dict(model)
+    LoRA runs write the adapter in PEFT's format to ``<directory>/adapter`` and, when ``merge`` (default:
+    ``train.merge_lora``), the merged full weights (base + adapter) as the HF checkpoint itself. Without the merged
+    copy only the trainable tensors are gathered (the frozen base is not read at all)."""
     lora = cfg.model.lora
+    merge = cfg.train.merge_lora if merge is None else merge
+    state = full_state_dict(model, trainable_only=lora is not None and not merge)
+    names = [n for n, _ in model.named_parameters()]
     with all_ranks_or_none(env, f"writing the checkpoint {directory}"):
         if env.is_main:
             if lora is not None:
                 save_adapter(
                     directory / "adapter", state, r=lora.r, alpha=lora.alpha, dropout=lora.dropout,
                     target_modules=list(lora.target_modules), base_model_name_or_path=cfg.model.name_or_path,
+                    modules_to_save=list(lora.modules_to_save), parameter_names=names,
                 )  # fmt: skip
-                state = merged_state_dict(state, alpha=lora.alpha, r=lora.r) if cfg.train.merge_lora else None
+                state = merged_state_dict(state, alpha=lora.alpha, r=lora.r) if merge else None
             if state is not None:
                 if model.tied_embeddings:
                     state.pop("lm_head.weight", None)

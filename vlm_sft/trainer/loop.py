@@ -238,7 +238,8 @@ def _resume(cfg: RunConfig, env: DistEnv, out_dir: Path, model, optimizer, sched
         resume_from = resolve_resume(cfg.train.resume, out_dir)
     if resume_from is None:
         return 0, None
-    state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env)
+    lora = cfg.model.lora is not None
+    state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env, trainable_only=lora)
     scheduler.load_state_dict(state.scheduler)
     restore_rng(state.rng)
     return state.step, state.data
@@ -465,7 +466,8 @@ def _format_eval(step: int, ev: dict) -> str:
 
 
 def _save(run: Run) -> None:
-    """A resumable checkpoint with an HF export of the same weights inside it (``checkpoints/step-N/hf``)."""
+    """A resumable checkpoint with an HF export of the same weights inside it (``checkpoints/step-N/hf``; for LoRA
+    runs the adapter only: the merged full weights are written once, to ``final/``)."""
     state = TrainerState(
         step=run.step,
         scheduler=run.scheduler.state_dict(),
@@ -480,5 +482,6 @@ def _save(run: Run) -> None:
         state=state,
         env=run.env,
         keep_last=run.cfg.train.keep_last,
-        write_extra=lambda folder: export_final(folder / "hf", run.model, run.processor, run.env, run.cfg),
+        write_extra=lambda folder: export_final(folder / "hf", run.model, run.processor, run.env, run.cfg, merge=False),
+        trainable_only=run.cfg.model.lora is not None,
     )
