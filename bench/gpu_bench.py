@@ -1,7 +1,7 @@
 """Training throughput and MFU of a randomly initialised Qwen3.5-0.8B-shaped model on one CUDA GPU, in bf16.
 
     bash bench/gpu.sh                      (the whole GPU check: kernel exactness, the trainer end to end, this)
-    python bench/gpu_bench.py [--pack-len 8192] [--steps 8] [--modes bfd,stack] [--backends auto,torch]
+    python bench/gpu_bench.py [--pack-len 8192] [--steps 8] [--modes bfd,stack] [--backends auto,torch] [--lora bfd]
     python bench/gpu_bench.py --smoke      (a CPU dry run of the same code on a shrunken shape)
 
 The model is ``vlm_sft.flops.qwen3_5_0_8b_config()`` (the real 0.8B shape, random init, nothing downloaded): fp32
@@ -9,6 +9,13 @@ master weights, bf16 autocast, frozen vision tower (as ``configs/qwen3_5_0_8b.to
 long-tailed synthetic distribution (``SyntheticSource("long_tail")``: median 700 tokens, up to 8192, 0-4 images)
 packed into rows of ``--pack-len`` tokens (``bfd``), against padded ``stack`` batches of the same samples
 (``--stack-rows`` samples per batch in arrival order, each row padded to its batch's longest sample).
+
+LoRA rows (``--lora``, default ``bfd``: the packing modes that also train with LoRA, on the first backend): the same
+model with ``vlm_sft.model.lora.attach_lora`` at the trainer's defaults (r 16, alpha 32, dropout 0, every text linear),
+its frozen base kept in bf16 on a GPU (``store_frozen_in(model, bfloat16)``, as the trainer does for a bf16 LoRA run;
+float32 in ``--smoke``), AdamW over the adapters only. Their TFLOP/s and MFU count LoRA's useful FLOPs: the frozen
+projections, conv and LM head x 2 (forward and input gradient, no weight gradient), attention and GatedDeltaNet x 3,
+the adapters x 3, the tower x 1. Without peft installed the LoRA rows are skipped with a note.
 
 Per mode: ``--warmup`` untimed steps (kernel compilation and autotuning), then ``--steps`` timed steps, each
 synchronized; the vision tower is timed by forward hooks (synchronized). Tokens/s counts real (non-padding) tokens;
@@ -20,6 +27,8 @@ Prints a table and writes ``bench/results/gpu_bench.json`` (and ``$OUT/gpu_bench
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
 import platform
@@ -33,7 +42,7 @@ from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.synthetic import SyntheticSource
-from vlm_sft.flops import batch_flops, mfu, peak_flops, qwen3_5_0_8b_config
+from vlm_sft.flops import FlopCount, batch_flops, mfu, peak_flops, qwen3_5_0_8b_config
 from vlm_sft.model import build_model
 from vlm_sft.trainer.metrics import ModuleTimer
 
@@ -73,16 +82,28 @@ def shrink(config):
 
 
 class Bench:
-    def __init__(self, config, device: torch.device, backend: str) -> None:
+    def __init__(self, config, device: torch.device, backend: str, *, lora: bool = False) -> None:
         torch.manual_seed(0)
         impl = {"attn_impl": "sdpa", "linear_attn_impl": "torch", "loss_impl": "chunked"} if backend == "torch" else {}
         self.model = build_model(config, device=device, dtype=torch.float32, freeze_vision=True, **impl)
+        self.tuning = "lora" if lora else "full"
+        self.adapter_flops_per_token = attach_lora_adapters(self.model, device) if lora else 0.0
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainable_params = sum(p.numel() for p in params)
         self.optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=device.type == "cuda")
         self.device = device
         self.autocast = torch.bfloat16 if device.type == "cuda" else None
         self.vision = ModuleTimer(self.model.model.visual, device)
+
+    def train_flops(self, count: FlopCount) -> float:
+        """Training FLOPs of a batch: ``count.train`` for full fine-tuning; for LoRA no weight gradient of the frozen
+        projections, conv and LM head (x 2), attention and GatedDeltaNet x 3, adapters x 3, frozen tower x 1."""
+        if self.tuning == "full":
+            return count.train
+        frozen_linear = count.dense + count.conv + count.lm_head
+        adapters = self.adapter_flops_per_token * count.tokens
+        return 2 * frozen_linear + 3 * (count.attention + count.linear_attention + adapters) + count.vision
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -108,6 +129,20 @@ class Bench:
         return {"vision": self.vision.take(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
 
 
+def attach_lora_adapters(model: torch.nn.Module, device: torch.device) -> float:
+    """LoRA at the trainer's defaults (``model.lora``), frozen base in bf16 on a GPU; forward FLOPs of the adapters per
+    token (``2 r (in + out)`` per adapted projection)."""
+    from vlm_sft.config import LoraSettings  # pydantic and peft: only for LoRA rows
+    from vlm_sft.model.lora import attach_lora, store_frozen_in
+
+    lora = LoraSettings()
+    torch.manual_seed(1)
+    names = attach_lora(model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules)
+    store_frozen_in(model, torch.bfloat16 if device.type == "cuda" else torch.float32)  # no CPU autocast (--smoke)
+    modules = dict(model.named_modules())
+    return sum(2.0 * lora.r * (modules[n].in_features + modules[n].out_features) for n in names)
+
+
 def run_mode(bench: Bench, batches: list[PackedBatch], warmup: int, steps: int, peak: float | None) -> dict:
     if len(batches) < warmup + steps:
         batches = (batches * (1 + (warmup + steps) // max(len(batches), 1)))[: warmup + steps]
@@ -119,14 +154,19 @@ def run_mode(bench: Bench, batches: list[PackedBatch], warmup: int, steps: int, 
     records = [bench.step(b) for b in timed]
     seconds = sum(r["forward"] + r["backward"] + r["optimizer"] for r in records)
     model = bench.model
-    useful = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in timed)
+    useful = sum(
+        bench.train_flops(batch_flops(b, model.config, vision_trainable=model.vision_trainable)) for b in timed
+    )
     executed = sum(
-        batch_flops(b, model.config, vision_trainable=model.vision_trainable, count_padding=True).train for b in timed
+        bench.train_flops(batch_flops(b, model.config, vision_trainable=model.vision_trainable, count_padding=True))
+        for b in timed
     )
     real = sum(b.num_real_tokens for b in timed)
     capacity = sum(b.input_ids.numel() for b in timed)
     total = {k: sum(r[k] for r in records) for k in ("vision", "forward", "backward", "optimizer")}
     return {
+        "tuning": bench.tuning,
+        "trainable_params": bench.trainable_params,
         "steps": len(timed),
         "rows_x_len": f"{timed[0].shape[0]} x {max(b.shape[1] for b in timed)}",
         "real_tokens": real,
@@ -145,13 +185,14 @@ def run_mode(bench: Bench, batches: list[PackedBatch], warmup: int, steps: int, 
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack-len", type=int, help="tokens per packed row (default 8192; --smoke 1024)")
     ap.add_argument("--samples", type=int, help="synthetic samples (default 600; --smoke 24)")
     ap.add_argument("--modes", default="bfd,stack")
     ap.add_argument("--stack-rows", type=int, default=2)
     ap.add_argument("--backends", default="auto", help="comma list: auto (fastest installed), torch (pure torch)")
+    ap.add_argument("--lora", default="bfd", help="modes (of --modes) that also train with LoRA, on the first backend")
     ap.add_argument("--warmup", type=int, help="untimed steps per row (default 3; --smoke 1)")
     ap.add_argument("--steps", type=int, help="timed steps per row (default 8; --smoke 2)")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run on a shrunken shape (checks the script only)")
@@ -160,6 +201,25 @@ def main() -> None:
     for key, value in (SMOKE_DEFAULTS if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.lora = [m for m in args.lora.split(",") if m and m != "none"]
+    unknown = [m for m in args.lora if m not in args.modes.split(",")]
+    if unknown:
+        raise SystemExit(f"--lora {unknown} are not among --modes {args.modes}: add them there, or pass --lora none")
+    return args
+
+
+def row_plan(backends: list[str], modes: list[str], lora_modes: list[str]) -> list[tuple[str, bool, list[str]]]:
+    """``(backend, lora, modes)`` per model to build: each backend fully fine-tuned, then (after the first) LoRA on
+    ``lora_modes``, so LoRA runs beside full fine-tuning with the same kernels. peft missing: no LoRA, with a note."""
+    if lora_modes and importlib.util.find_spec("peft") is None:
+        print("note: peft is not installed: no LoRA rows (carry its wheel in .whl/, see bench/README.md)", flush=True)
+        lora_modes = []
+    plan = [(backends[0], False, modes)] + ([(backends[0], True, lora_modes)] if lora_modes else [])
+    return plan + [(b, False, modes) for b in backends[1:]]
+
+
+def main() -> None:
+    args = parse_args()
     config = qwen3_5_0_8b_config()
     if args.smoke:
         device = torch.device("cpu")
@@ -182,19 +242,21 @@ def main() -> None:
         targets.append(Path(os.environ["OUT"]) / "gpu_bench.json")
     payload = {"device": name, "peak_flops": peak, "torch": torch.__version__, "pack_len": args.pack_len}
     payload |= {"smoke": args.smoke, "complete": False, "rows": []}
-    for backend in args.backends.split(","):
-        bench = Bench(config, device, backend)
+    for backend, lora, modes in row_plan(args.backends.split(","), list(batches), args.lora):
+        bench = Bench(config, device, backend, lora=lora)
         chosen = bench.model.backends
-        for mode, bs in batches.items():
+        for mode in modes:
             start = time.perf_counter()
-            row = run_mode(bench, bs, args.warmup, args.steps, peak)
+            row = run_mode(bench, batches[mode], args.warmup, args.steps, peak)
             row |= {"backend": backend, "mode": mode, "kernels": f"{chosen.attention}/{chosen.linear_attention}"}
             row["wall_s"] = time.perf_counter() - start
             payload["rows"].append(row)
             write_json(targets, payload, quiet=True)  # rows so far survive a time limit that stops the run
-            print(f"  {backend} {mode}: {row['real_tok_s']:.0f} real tok/s ({row['wall_s']:.0f} s)", flush=True)
+            tok_s = f"{row['real_tok_s']:.0f} real tok/s"
+            print(f"  {backend} {bench.tuning} {mode}: {tok_s} ({row['wall_s']:.0f} s)", flush=True)
         del bench
         if device.type == "cuda":
+            gc.collect()  # the next model's peak memory must not count this one
             torch.cuda.empty_cache()
     peak_text = f"peak {peak / 1e12:.0f} TFLOP/s bf16 dense" if peak else "no known peak rate (MFU n/a)"
     shape = "shrunken Qwen3.5-0.8B shape (--smoke)" if args.smoke else "Qwen3.5-0.8B shape"
@@ -206,9 +268,9 @@ def main() -> None:
 
 
 def format_rows(rows: list[dict]) -> str:
-    """The results table (one line per backend x mode); ``bench/gpu_check.py`` prints it too."""
+    """The results table (one line per backend x tuning x mode); ``bench/gpu_check.py`` prints it too."""
     header = (
-        f"{'backend':<8} {'kernels':<20} {'mode':<6} {'rows x len':>11} {'real tok/s':>10} {'step ms':>8} "
+        f"{'backend':<8} {'kernels':<20} {'tune':<4} {'mode':<6} {'rows x len':>11} {'real tok/s':>10} {'step ms':>8} "
         f"{'vis/txt/bwd/opt ms':>22} {'TFLOP/s':>8} {'MFU':>6} {'pad':>5} {'mem GiB':>8}"
     )
     lines = [header, "-" * len(header)]
@@ -217,8 +279,8 @@ def format_rows(rows: list[dict]) -> str:
         m = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
         lines.append(
-            f"{r['backend']:<8} {r['kernels']:<20} {r['mode']:<6} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} "
-            f"{r['step_ms']:>8.1f} {split:>22} {r['useful_tflop_s']:>8.1f} {m:>6} {r['padding_fraction']:>5.2f} {mem:>8}"
+            f"{r['backend']:<8} {r['kernels']:<20} {r.get('tuning', 'full'):<4} {r['mode']:<6} {r['rows_x_len']:>11} "
+            f"{r['real_tok_s']:>10.0f} {r['step_ms']:>8.1f} {split:>22} {r['useful_tflop_s']:>8.1f} {m:>6} {r['padding_fraction']:>5.2f} {mem:>8}"
         )
     return "\n".join(lines)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json.
-# About 41 minutes on 2 cores (the packing self-check calibration ~8, the data workers ~6); bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
+# About 46 minutes on 2 cores (the packing self-check calibration ~8, the data workers ~6, LoRA vs full ~5); bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
 # SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,4 +14,5 @@ if [[ -z "${SKIP_LOSS_MEMORY:-}" ]]; then
   "$PY" bench/bench_loss_memory.py
 fi
 "$PY" bench/bench_train_throughput.py
+"$PY" bench/bench_lora.py
 "$PY" bench/calibrate_packing_check.py
