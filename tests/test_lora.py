@@ -4,6 +4,7 @@ base weights stay bitwise unchanged) and writes a PEFT adapter beside the merged
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import launch_env, run_training, tiny_run_args, train_command
+from train_helpers import launch_env, read_metrics, run_training, tiny_run_args, train_command
 
 from vlm_sft.config import REPO_ROOT, ConfigError, load_config
 from vlm_sft.trainer import build
@@ -88,6 +89,23 @@ def _bf16_lora_model(dtype: str) -> torch.nn.Module:
             if ".lora_B." in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     return model
+
+
+def test_adapters_start_the_same_on_a_base_loaded_in_bf16(tmp_path):
+    """A checkpoint loaded in bf16 for a bf16 LoRA run gets the fp32 adapters an fp32 run draws (peft would draw
+    them in the base's bf16)."""
+    checkpoint = tmp_path / "checkpoint"
+    from vlm_sft.model import build_model, tiny_qwen3_5_config
+
+    build_model(tiny_qwen3_5_config()).save_pretrained(checkpoint)
+    starts = []
+    for dtype in ("bfloat16", "float32"):
+        where = ["--model.name_or_path", str(checkpoint), "--model.initializer_range", "null"]
+        cfg = _lora_config(*where, "--model.dtype", dtype, "--train.device", "auto")
+        model = build.build_model(cfg, torch.device("cpu"))
+        starts.append({n: p for n, p in model.named_parameters() if ".lora_A." in n})
+    assert starts[0].keys() == starts[1].keys() and starts[0]
+    assert all(starts[0][n].dtype == torch.float32 and torch.equal(starts[0][n], starts[1][n]) for n in starts[0])
 
 
 def test_a_bf16_lora_run_keeps_the_frozen_base_in_bf16_with_the_same_numbers():
@@ -232,3 +250,17 @@ def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp
     _killed_after(victim_args, victim / "run" / "checkpoints" / "step-000002")
     run_training([*victim_args, "--train.resume", "latest"])
     _assert_close(_adapter(one / "run"), _adapter(victim / "run"), 0.0)
+
+
+LEARNING_CHECK = "VLM_SFT_LEARNING_CHECKS"
+"""Set to 1 to run the learning check (about 3 minutes on 2 CPU cores, a fifth of the suite's budget)."""
+
+
+@pytest.mark.skipif(not os.environ.get(LEARNING_CHECK), reason=f"learning check: set {LEARNING_CHECK}=1 (~3 min)")
+def test_default_size_lora_run_learns_the_colour_task(tmp_path):
+    """``configs/debug_lora.toml`` as it is (600 steps): LoRA r=16 on every text projection, embed_tokens and lm_head
+    trained fully, the vision tower frozen at its random init. Measured: see the README's LoRA section."""
+    args = ["--config", "configs/debug_lora.toml", "--train.output_dir", str(tmp_path / "run")]
+    run_training([*args, "--data.shapes.root", str(tmp_path / "shapes")], timeout=1200)
+    evals = [r for r in read_metrics(tmp_path / "run") if "eval_acc_colour" in r]
+    assert evals[-1]["step"] == 600 and evals[-1]["eval_acc_colour"] >= 0.9, evals

@@ -26,6 +26,8 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+ADAPTER_NAME = "default"
+"""The adapter peft injects (``inject_adapter_in_model``'s default name)."""
 TEXT_MODEL_PREFIX = "model.language_model."
 """Where the text model's modules live in ``Qwen3_5VLM`` (and in transformers' ``Qwen3_5ForConditionalGeneration``)."""
 
@@ -104,3 +106,18 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
             want = torch.float32 if p.requires_grad else dtype
             if p.is_floating_point() and p.dtype != want:
                 p.data = p.data.to(want)
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """peft's default LoRA init (A Kaiming-uniform, B zero) redone from ``seed`` on the adapters as they are now.
+
+    peft initializes each adapter in its base layer's dtype, so on a base loaded in bf16 A would be drawn in bf16 and
+    only then raised to fp32 (``store_frozen_in``): a bf16 and an fp32 run with one seed would start differently.
+    Called after ``store_frozen_in``, every run draws the same fp32 adapters whatever the base's dtype.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    torch.manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module.reset_lora_parameters(ADAPTER_NAME, init_lora_weights=True)

@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-ADAPTER_NAME = "default"
-"""The adapter name ``inject_adapter_in_model`` uses, and the one PEFT files leave out of their keys."""
+from vlm_sft.model.lora import ADAPTER_NAME  # the adapter's name, which PEFT files leave out of their keys
+
 PEFT_PREFIX = "base_model.model."
 """What a PeftModel (LoraModel inside PeftModel) puts before the wrapped model's parameter names."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -230,7 +230,6 @@ def build_model(cfg: RunConfig, device: torch.device):
     """
     from vlm_sft.model import Qwen3_5VLM
     from vlm_sft.model import build_model as build_random
-    from vlm_sft.model.lora import store_frozen_in
 
     m = cfg.model
     if m.vlm is None:
@@ -254,15 +253,15 @@ def build_model(cfg: RunConfig, device: torch.device):
         load_dtype = torch.bfloat16 if frozen_bf16 else torch.float32
         model = Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=load_dtype, **kwargs)
     if m.lora is not None:
-        _attach_lora(cfg, model)
-        store_frozen_in(model, torch.bfloat16 if frozen_bf16 else torch.float32)
+        _attach_lora(cfg, model, torch.bfloat16 if frozen_bf16 else torch.float32)
     return model
 
 
-def _attach_lora(cfg: RunConfig, model: torch.nn.Module) -> None:
-    """LoRA adapters before any sharding (FSDP2 then shards the wrapped layers); the base stays frozen."""
+def _attach_lora(cfg: RunConfig, model: torch.nn.Module, frozen_dtype: torch.dtype) -> None:
+    """LoRA adapters before any sharding (FSDP2 then shards the wrapped layers); the base stays frozen, stored in
+    ``frozen_dtype``, and the trainable parameters in fp32, drawn the same way on every rank and for every dtype."""
     from vlm_sft.config import LORA_FUSED_GROUPS
-    from vlm_sft.model.lora import attach_lora
+    from vlm_sft.model.lora import attach_lora, init_adapters, store_frozen_in
 
     lora = cfg.model.lora
     split = [g for g, members in LORA_FUSED_GROUPS.items() if 0 < len(set(members) & set(lora.target_modules)) < 2]
@@ -272,11 +271,12 @@ def _attach_lora(cfg: RunConfig, model: torch.nn.Module) -> None:
             "these projections and crash on or silently drop such adapters (serve the merged final/ instead)",
             split,
         )
-    torch.manual_seed(cfg.train.seed + 1)  # adapter init, the same on every rank
     attach_lora(
         model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules,
         modules_to_save=lora.modules_to_save,
     )  # fmt: skip
+    store_frozen_in(model, frozen_dtype)
+    init_adapters(model, cfg.train.seed + 1)  # the same fp32 adapters on every rank, whatever the base's dtype
 
 
 def resolve_output_dir(cfg: RunConfig) -> Path:
