@@ -532,6 +532,9 @@ def run_check(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
     report: dict = {"smoke": plan.smoke, "out": str(dirs.out), "resume_rtol": RESUME_RTOL}
     report["environment"] = run_worker(["env"], dirs, budget, plan.caps["env"])
     if plan.smoke:  # on the CPU, pytest and the bench run beside the trainer's parts: 2 cores, mostly imports
+        # One thread per part: two parts with 2 OpenMP threads each on 2 cores spin against each other (steps 50x
+        # slower, measured); the smoke's tiny model gains nothing from a second thread.
+        os.environ["OMP_NUM_THREADS"] = "1"
         with ThreadPoolExecutor(max_workers=1) as side:
             independent = side.submit(_pytest_then_bench, plan, dirs, budget)
             report["trainer"] = _trainer(plan, dirs, budget)

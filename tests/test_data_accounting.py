@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from train_helpers import launch_env, read_metrics, run_training, tiny_run_args, train_command
+from train_helpers import launch_env, read_metrics, tiny_run_args, train_command
 
 from renderers.errors import RenderError
 from vlm_sft.config import REPO_ROOT
@@ -61,10 +61,35 @@ def _data(tmp_path: Path, *, rows: int, bad_images: int) -> Path:
     return out
 
 
-def test_a_run_with_a_few_bad_rows_reports_them_everywhere(tmp_path):
-    data = _data(tmp_path, rows=100, bad_images=2)  # 4 of 102 rows skipped: under the 5% limit
-    args = tiny_run_args(tmp_path, **{"data.source": str(data), "train.max_steps": 36, "data.bfd_buffer": 16})
-    proc = run_training(args)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """Both runs at once (independent, one process each: they share the cores): ``few`` with 4 bad rows of 102,
+    ``most`` with 320 corrupt images of 400."""
+    started = {}
+    for name, rows, bad, extra in (
+        ("few", 100, 2, {"train.max_steps": 36, "data.bfd_buffer": 16}),  # 4 of 102 skipped: under the 5% limit
+        ("most", 400, 320, {"train.max_steps": 50, "data.shapes.num_train": 400}),
+    ):
+        tmp = tmp_path_factory.mktemp(name)
+        args = tiny_run_args(tmp, **{"data.source": str(_data(tmp, rows=rows, bad_images=bad)), **extra})
+        started[name] = (tmp, subprocess.Popen(
+            train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        ))  # fmt: skip
+    done = {}
+    try:
+        for name, (tmp, proc) in started.items():
+            out, err = proc.communicate(timeout=180)  # a hang fails the tests instead of stalling CI
+            done[name] = (tmp, subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    finally:
+        for _, proc in started.values():
+            proc.kill()
+    return done
+
+
+def test_a_run_with_a_few_bad_rows_reports_them_everywhere(runs):
+    tmp_path, proc = runs["few"]
+    assert proc.returncode == 0, proc.stderr[-6000:]
     run = tmp_path / "run"
     acc = json.loads((run / "data_accounting.json").read_text())
     assert acc["samples_seen"] == acc["samples_packed"] + acc["samples_skipped"] + acc["samples_buffered"]
@@ -82,12 +107,8 @@ def test_a_run_with_a_few_bad_rows_reports_them_everywhere(tmp_path):
     assert 0.0 <= last["data_wait_fraction"] <= 1.0 and last["data_wait_s"] >= 0.0
 
 
-def test_a_run_over_mostly_broken_images_stops_early_with_the_report(tmp_path):
-    data = _data(tmp_path, rows=400, bad_images=320)
-    args = tiny_run_args(tmp_path, **{"data.source": str(data), "train.max_steps": 50, "data.shapes.num_train": 400})
-    proc = subprocess.run(
-        train_command(args), env=launch_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
-    )
+def test_a_run_over_mostly_broken_images_stops_early_with_the_report(runs):
+    tmp_path, proc = runs["most"]
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "data.max_skip_fraction" in proc.stderr and "corrupt_image" in proc.stderr
     assert re.search(r"row \d+: \S+/broken\d+\.png: not a readable image", proc.stderr)  # the report names the files

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import launch_env, read_metrics, run_training, tiny_run_args, train_command
+from train_helpers import Background, launch_env, read_metrics, run_training, tiny_run_args, train_command
 
 from vlm_sft.config import REPO_ROOT, ConfigError, load_config
 from vlm_sft.trainer import build
@@ -89,6 +89,24 @@ def _bf16_lora_model(dtype: str) -> torch.nn.Module:
             if ".lora_B." in name:
                 p.copy_(0.05 * torch.randn(p.shape, generator=gen))
     return model
+
+
+def test_activation_checkpointing_gives_the_adapters_the_same_gradients():
+    """The 9B example recomputes every decoder layer in backward: with a frozen base the layer's input needs no
+    gradient, which a reentrant checkpoint would take as "nothing to differentiate" and give the adapters none."""
+    from test_host_syncs import _batch
+
+    batch, grads = _batch(), []
+    for checkpointing in ("false", "true"):
+        model = build.build_model(_lora_config("--model.activation_checkpointing", checkpointing), torch.device("cpu"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".lora_B." in name:
+                    p.fill_(0.01)
+        model(**batch.model_kwargs()).loss_sum.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert all(g is not None and g.abs().sum() > 0 for g in grads[1].values())
+    assert all(torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7) for n in grads[0])
 
 
 def test_adapters_start_the_same_on_a_base_loaded_in_bf16(tmp_path):
@@ -236,19 +254,19 @@ def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp
     micro-batches train the same adapters; a run SIGKILLed after its step-2 checkpoint and resumed (adapters,
     optimizer state, data position on the rebuilt base) ends with exactly the same adapters."""
     common = {**LORA, "model.lora.modules_to_save": ["lm_head"], "train.max_steps": 6, "train.save_every": 2}
-    one = tmp_path / "one"
-    one_args = tiny_run_args(one, **common, **{"train.micro_batches": 4, "data.num_workers": 2})
-    run_training(one_args)
+    one, two, victim = tmp_path / "one", tmp_path / "two", tmp_path / "victim"
+    one_rank = {"train.micro_batches": 4, "data.num_workers": 2}
+    one_args, victim_args = tiny_run_args(one, **common, **one_rank), tiny_run_args(victim, **common, **one_rank)
+    uninterrupted = Background(one_args)  # independent runs share the cores
+    _killed_after(victim_args, victim / "run" / "checkpoints" / "step-000002")
+    two_ranks = Background(tiny_run_args(two, **common, **{"train.micro_batches": 2}), nproc=2)
+    run_training([*victim_args, "--train.resume", "latest"])
+    uninterrupted.wait()
+    two_ranks.wait()
+
     _assert_only_adapters_moved(one / "run", one_args, tmp_path)
     _assert_adapter_and_merged_written(one / "run" / "final")
-    two = tmp_path / "two"
-    run_training(tiny_run_args(two, **common, **{"train.micro_batches": 2}), nproc=2)
     _assert_close(_adapter(one / "run"), _adapter(two / "run"), 1e-5)
-
-    victim = tmp_path / "victim"
-    victim_args = tiny_run_args(victim, **common, **{"train.micro_batches": 4, "data.num_workers": 2})
-    _killed_after(victim_args, victim / "run" / "checkpoints" / "step-000002")
-    run_training([*victim_args, "--train.resume", "latest"])
     _assert_close(_adapter(one / "run"), _adapter(victim / "run"), 0.0)
 
 

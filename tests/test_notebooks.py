@@ -150,17 +150,37 @@ def _inject(nb: nbformat.NotebookNode, source: str) -> nbformat.NotebookNode:
 # --------------------------------------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_top_to_bottom_and_draws(name, tmp_path):
-    committed = (NOTEBOOK_DIR / name).read_bytes()
+def _execute_in(name: str, tmp: Path) -> nbformat.NotebookNode:
     # A missing checkpoint folder makes inspect_checkpoint train its short run, as in CI (outputs/ is not committed);
-    # the data copies go to a temporary folder, so concurrent runs never share files.
-    nb = execute_notebook(
+    # the data copies go to a temporary folder, so concurrent runs never share files. One thread per kernel: the
+    # notebooks run side by side, one core each.
+    return execute_notebook(
         _read(name),
-        tmp_path / "kernels",
-        VLM_SFT_NOTEBOOK_CHECKPOINT=str(tmp_path / "no-checkpoint"),
-        VLM_SFT_NOTEBOOK_DATA=str(tmp_path / "data"),
+        tmp / "kernels",
+        VLM_SFT_NOTEBOOK_CHECKPOINT=str(tmp / "no-checkpoint"),
+        VLM_SFT_NOTEBOOK_DATA=str(tmp / "data"),
+        OMP_NUM_THREADS="1",
     )
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory) -> dict[str, nbformat.NotebookNode | BaseException]:
+    """Every notebook executed at once, each in its own kernel and folder (a kernel is one process: on 2 cores two
+    kernels take the time of one); an exception is kept for the notebook's own test to raise."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("notebooks")
+    with ThreadPoolExecutor(max_workers=len(NOTEBOOKS)) as pool:
+        futures = {name: pool.submit(_execute_in, name, tmp / name.removesuffix(".ipynb")) for name in NOTEBOOKS}
+    return {name: f.exception() or f.result() for name, f in futures.items()}
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_runs_top_to_bottom_and_draws(name, executed, tmp_path):
+    committed = (NOTEBOOK_DIR / name).read_bytes()
+    nb = executed[name]
+    if isinstance(nb, BaseException):
+        raise nb
     nbformat.write(nb, tmp_path / name)
     assert notebook_problems(strip_progress(nb)) == []
     assert image_outputs(nb) >= 1

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 from train_helpers import (
+    Background,
     deterministic,
     launch_env,
     read_metrics,
@@ -34,14 +35,22 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def one_rank_run(tmp_path_factory) -> Path:
-    """1 process with 2 data workers x 4 micro-batches per step, 2 steps, with a held-out eval at the end."""
-    tmp = tmp_path_factory.mktemp("one_rank")
-    run_training(tiny_run_args(tmp, **{"train.micro_batches": 4, "data.shapes.num_eval": 8, "data.num_workers": 2}))
-    return tmp / "run"
+def rank_runs(tmp_path_factory) -> tuple[Path, Path]:
+    """Side by side (independent runs share the cores), 2 steps each: 1 process with 2 data workers x 4 micro-batches
+    per step and a held-out eval at the end; 2 processes x 2 micro-batches with one held-out sample."""
+    one, two = tmp_path_factory.mktemp("one_rank"), tmp_path_factory.mktemp("two_ranks")
+    two_ranks = Background(tiny_run_args(two, **{"train.micro_batches": 2, "data.shapes.num_eval": 1}), nproc=2)
+    run_training(tiny_run_args(one, **{"train.micro_batches": 4, "data.shapes.num_eval": 8, "data.num_workers": 2}))
+    two_ranks.wait()
+    return one / "run", two / "run"
 
 
-def test_two_ranks_equal_one_rank_with_more_micro_batches(one_rank_run, tmp_path):
+@pytest.fixture(scope="module")
+def one_rank_run(rank_runs) -> Path:
+    return rank_runs[0]
+
+
+def test_two_ranks_equal_one_rank_with_more_micro_batches(rank_runs):
     """2 ranks x 2 micro-batches see the same packs per step as 1 rank x 4: same losses and parameters.
 
     The pack stream depends on ranks x data workers only, so the 1-rank run has 2 workers and each rank here has
@@ -49,8 +58,8 @@ def test_two_ranks_equal_one_rank_with_more_micro_batches(one_rank_run, tmp_path
 
     The 2-rank run has one held-out sample, so rank 1's share of eval packs is empty: it must still take part in
     eval (FSDP gathers parameters in every forward) instead of leaving rank 0 waiting."""
-    run_training(tiny_run_args(tmp_path, **{"train.micro_batches": 2, "data.shapes.num_eval": 1}), nproc=2)
-    one, two = read_metrics(one_rank_run), read_metrics(tmp_path / "run")
+    one_rank_run, two_rank_run = rank_runs
+    one, two = read_metrics(one_rank_run), read_metrics(two_rank_run)
     assert [r["eval_tokens"] for r in two if "eval_loss" in r][-1] > 0
     a, b = deterministic(one), deterministic(two)
     assert [r["step"] for r in a] == [1, 2] == [r["step"] for r in b]
@@ -58,7 +67,7 @@ def test_two_ranks_equal_one_rank_with_more_micro_batches(one_rank_run, tmp_path
         assert ra["trainable_tokens"] == rb["trainable_tokens"] and ra["real_tokens"] == rb["real_tokens"]
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5, abs=1e-6)
         assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4)
-    wa, wb = _weights(one_rank_run), _weights(tmp_path / "run")
+    wa, wb = _weights(one_rank_run), _weights(two_rank_run)
     assert wa.keys() == wb.keys()
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in wa)
     # The ranks sum the micro-batch gradients in another order (fp32 noise ~1e-7 relative). AdamW's first steps move
@@ -173,8 +182,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
         "data.num_workers": 2,
     }
     reference = tmp_path / "ref"
-    run_training(tiny_run_args(reference, **common))
-    expected = deterministic(read_metrics(reference / "run"))
+    uninterrupted = Background(tiny_run_args(reference, **common))  # beside the victim: independent runs
 
     victim = tmp_path / "victim"
     # The interrupted run prefetches batches in 2 worker processes: its checkpoints must still hold the state of
@@ -190,6 +198,8 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    uninterrupted.wait()
+    expected = deterministic(read_metrics(reference / "run"))
     run_training([*args, "--train.resume", "latest"])
     got = deterministic(read_metrics(victim / "run"))
     assert got == expected

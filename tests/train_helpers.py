@@ -71,6 +71,26 @@ def run_training(args: list[str], *, nproc: int = 1, timeout: float = 120.0) -> 
     return proc
 
 
+class Background:
+    """A training run started in the background (``run_training``'s checks on ``wait``), so that independent runs of
+    one test share the cores: a run is mostly one process importing torch and transformers."""
+
+    def __init__(self, args: list[str], *, nproc: int = 1) -> None:
+        self.proc = subprocess.Popen(
+            train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def wait(self, timeout: float = 120.0) -> None:
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        if self.proc.returncode != 0:
+            raise AssertionError(f"training failed ({self.proc.returncode}):\n{out[-4000:]}\n{err[-8000:]}")
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
