@@ -252,7 +252,8 @@ def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp
     """A 1-rank LoRA run with lm_head in modules_to_save (2 data shares x 4 micro-batches) moves only the adapters
     and the head, keeps only them in its checkpoints, and writes the PEFT adapter and the merged weights; 2 ranks x 2
     micro-batches train the same adapters; a run SIGKILLed after its step-2 checkpoint and resumed (adapters,
-    optimizer state, data position on the rebuilt base) ends with exactly the same adapters."""
+    optimizer state, data position on the rebuilt base) ends with exactly the same adapters, and refuses to resume
+    onto another base."""
     common = {**LORA, "model.lora.modules_to_save": ["lm_head"], "train.max_steps": 6, "train.save_every": 2}
     one, two, victim = tmp_path / "one", tmp_path / "two", tmp_path / "victim"
     one_rank = {"train.micro_batches": 4, "data.num_workers": 2}
@@ -260,6 +261,11 @@ def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp
     uninterrupted = Background(one_args)  # independent runs share the cores
     _killed_after(victim_args, victim / "run" / "checkpoints" / "step-000002")
     two_ranks = Background(tiny_run_args(two, **common, **{"train.micro_batches": 2}), nproc=2)
+    other_base = subprocess.run(
+        train_command([*victim_args, "--train.resume", "latest", "--model.initializer_range", "0.05"]),
+        env=launch_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert other_base.returncode != 0 and "another frozen base" in other_base.stderr, other_base.stderr[-3000:]
     run_training([*victim_args, "--train.resume", "latest"])
     uninterrupted.wait()
     two_ranks.wait()

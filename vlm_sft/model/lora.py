@@ -121,3 +121,23 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     for module in model.modules():
         if isinstance(module, LoraLayer):
             module.reset_lora_parameters(ADAPTER_NAME, init_lora_weights=True)
+
+
+def base_fingerprint(model: nn.Module) -> str:
+    """A digest of the frozen parameters (names, dtypes, shapes, sums and absolute sums), taken before sharding.
+
+    A LoRA checkpoint holds only what trains and a resume rebuilds the base from ``model.name_or_path``: a base that
+    changed in between (another revision, a rewritten local directory, another dtype) would resume silently inexact.
+    The trainer stores this digest in each checkpoint and refuses a resume onto a base with another one.
+    """
+    import hashlib
+
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                t = p.detach().double()
+                digest.update(
+                    f"{name} {p.dtype} {tuple(p.shape)} {float(t.sum())!r} {float(t.abs().sum())!r};".encode()
+                )
+    return digest.hexdigest()[:16]

@@ -261,7 +261,7 @@ def _attach_lora(cfg: RunConfig, model: torch.nn.Module, frozen_dtype: torch.dty
     """LoRA adapters before any sharding (FSDP2 then shards the wrapped layers); the base stays frozen, stored in
     ``frozen_dtype``, and the trainable parameters in fp32, drawn the same way on every rank and for every dtype."""
     from vlm_sft.config import LORA_FUSED_GROUPS
-    from vlm_sft.model.lora import attach_lora, init_adapters, store_frozen_in
+    from vlm_sft.model.lora import attach_lora, base_fingerprint, init_adapters, store_frozen_in
 
     lora = cfg.model.lora
     split = [g for g, members in LORA_FUSED_GROUPS.items() if 0 < len(set(members) & set(lora.target_modules)) < 2]
@@ -277,6 +277,7 @@ def _attach_lora(cfg: RunConfig, model: torch.nn.Module, frozen_dtype: torch.dty
     )  # fmt: skip
     store_frozen_in(model, frozen_dtype)
     init_adapters(model, cfg.train.seed + 1)  # the same fp32 adapters on every rank, whatever the base's dtype
+    model.base_fingerprint = base_fingerprint(model)  # saved with each checkpoint, checked on resume (the trainer)
 
 
 def resolve_output_dir(cfg: RunConfig) -> Path:

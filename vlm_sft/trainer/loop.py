@@ -240,6 +240,12 @@ def _resume(cfg: RunConfig, env: DistEnv, out_dir: Path, model, optimizer, sched
         return 0, None
     lora = cfg.model.lora is not None
     state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env, trainable_only=lora)
+    base = getattr(model, "base_fingerprint", None)
+    if lora and state.extra.get("base") != base:
+        raise ConfigError(
+            f"{resume_from} holds adapters trained on another frozen base (fingerprint {state.extra.get('base')}, "
+            f"this run built {base}): resume with the model.name_or_path, revision and model.dtype it was trained with"
+        )
     scheduler.load_state_dict(state.scheduler)
     restore_rng(state.rng)
     return state.step, state.data
@@ -473,7 +479,7 @@ def _save(run: Run) -> None:
         scheduler=run.scheduler.state_dict(),
         data=run.train_batches.state_dict(),
         rng=capture_rng(),
-        extra={},
+        extra={"base": getattr(run.model, "base_fingerprint", None)},  # LoRA: the frozen base the adapters sit on
     )
     save_checkpoint(
         run.out_dir,
