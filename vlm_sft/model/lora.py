@@ -135,9 +135,11 @@ def base_fingerprint(model: nn.Module) -> str:
     digest = hashlib.sha256()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if not p.requires_grad:
-                t = p.detach().double()
-                digest.update(
-                    f"{name} {p.dtype} {tuple(p.shape)} {float(t.sum())!r} {float(t.abs().sum())!r};".encode()
-                )
+            if p.requires_grad:
+                continue
+            total = absolute = 0.0
+            for chunk in p.detach().reshape(-1).split(1 << 24):  # float64 in 128 MB pieces, not a copy of the tensor
+                c = chunk.double()
+                total, absolute = total + float(c.sum()), absolute + float(c.abs().sum())
+            digest.update(f"{name} {p.dtype} {tuple(p.shape)} {total!r} {absolute!r};".encode())
     return digest.hexdigest()[:16]
