@@ -72,3 +72,37 @@ def mixed_row(cfg: Qwen3_5Config, seed: int = 1) -> list[dict]:
     ]
     assert [len(s["input_ids"]) for s in out] == [1, 2, 17, 3, 17, 64, 65, 7]
     return out
+
+
+def packed_row(samples: list[dict]) -> dict:
+    """The model inputs of ``samples`` concatenated into one row (batch size 1), images in sample order."""
+    images = [s for s in samples if s["pixel_values"] is not None]
+    return {
+        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
+        "position_ids": torch.cat([s["position_ids"] for s in samples], dim=1)[:, None],
+        "mm_token_type_ids": torch.cat([s["mm_token_type_ids"] for s in samples])[None],
+        "pixel_values": torch.cat([s["pixel_values"] for s in images]),
+        "image_grid_thw": torch.cat([s["image_grid_thw"] for s in images]),
+    }
+
+
+def alone_logits(model, s: dict) -> torch.Tensor:
+    """Logits ``[L, V]`` of sample ``s`` run alone (a row of its own)."""
+    return model(
+        s["input_ids"][None],
+        position_ids=s["position_ids"][:, None],
+        mm_token_type_ids=s["mm_token_type_ids"][None],
+        pixel_values=s["pixel_values"],
+        image_grid_thw=s["image_grid_thw"],
+    )[0]
+
+
+def max_delta_per_sample(packed_logits: torch.Tensor, samples: list[dict], model, alone=alone_logits) -> float:
+    """Largest |packed - alone| logit difference over the samples packed in order into ``packed_logits[0]``;
+    ``alone(model, sample)`` gives a sample's own logits."""
+    worst, start = 0.0, 0
+    for s in samples:
+        n = len(s["input_ids"])
+        worst = max(worst, float((packed_logits[0, start : start + n] - alone(model, s)).abs().max()))
+        start += n
+    return worst

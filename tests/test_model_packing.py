@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from packing_helpers import mixed_row
+from packing_helpers import max_delta_per_sample, mixed_row, packed_row
 from torch import nn
 
 from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config
@@ -37,47 +37,17 @@ def model(cfg):
     return build_model(cfg, freeze_vision=False)
 
 
-def _packed_row(samples: list[dict]) -> dict:
-    images = [s for s in samples if s["pixel_values"] is not None]
-    return {
-        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
-        "position_ids": torch.cat([s["position_ids"] for s in samples], dim=1)[:, None],
-        "mm_token_type_ids": torch.cat([s["mm_token_type_ids"] for s in samples])[None],
-        "pixel_values": torch.cat([s["pixel_values"] for s in images]),
-        "image_grid_thw": torch.cat([s["image_grid_thw"] for s in images]),
-    }
-
-
-def _alone(model: Qwen3_5VLM, s: dict) -> torch.Tensor:
-    return model(
-        s["input_ids"][None],
-        position_ids=s["position_ids"][:, None],
-        mm_token_type_ids=s["mm_token_type_ids"][None],
-        pixel_values=s["pixel_values"],
-        image_grid_thw=s["image_grid_thw"],
-    )[0]
-
-
-def _max_delta_per_sample(packed_logits: torch.Tensor, samples: list[dict], model: Qwen3_5VLM) -> float:
-    worst, start = 0.0, 0
-    for s in samples:
-        n = len(s["input_ids"])
-        worst = max(worst, float((packed_logits[0, start : start + n] - _alone(model, s)).abs().max()))
-        start += n
-    return worst
-
-
 @torch.no_grad()
 def test_packed_logits_equal_each_sample_alone(model, samples):
     seq_lens = torch.tensor([len(s["input_ids"]) for s in samples])
-    logits = model(**_packed_row(samples), seq_lens=seq_lens)
-    assert _max_delta_per_sample(logits, samples, model) <= TOL
+    logits = model(**packed_row(samples), seq_lens=seq_lens)
+    assert max_delta_per_sample(logits, samples, model) <= TOL
 
 
 @torch.no_grad()
 def test_same_row_without_seq_lens_leaks(model, samples):
-    logits = model(**_packed_row(samples))
-    assert _max_delta_per_sample(logits, samples, model) > 1e3 * TOL
+    logits = model(**packed_row(samples))
+    assert max_delta_per_sample(logits, samples, model) > 1e3 * TOL
 
 
 def test_check_packing_ok_on_logits_gradients_and_every_op(model, samples):

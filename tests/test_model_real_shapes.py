@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from packing_helpers import make_sample, padding_segment
+from packing_helpers import make_sample, max_delta_per_sample, packed_row, padding_segment
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
 from processors.special_tokens import (
@@ -205,32 +205,12 @@ def _model_inputs(s: dict) -> dict:
     }
 
 
-def _packed_row(samples: list[dict]) -> dict:
-    images = [s for s in samples if s["pixel_values"] is not None]
-    return {
-        "input_ids": torch.cat([s["input_ids"] for s in samples])[None],
-        "position_ids": torch.cat([s["position_ids"] for s in samples], dim=1)[:, None],
-        "mm_token_type_ids": torch.cat([s["mm_token_type_ids"] for s in samples])[None],
-        "pixel_values": torch.cat([s["pixel_values"] for s in images]),
-        "image_grid_thw": torch.cat([s["image_grid_thw"] for s in images]),
-    }
-
-
 def _seq_lens(samples: list[dict]) -> torch.Tensor:
     return torch.tensor([len(s["input_ids"]) for s in samples], dtype=torch.long)
 
 
 def _alone_logits(model: Qwen3_5VLM, s: dict) -> torch.Tensor:
     return model(**_model_inputs(s), seq_lens=_seq_lens([s]))[0]
-
-
-def _max_delta_per_sample(packed_logits: torch.Tensor, samples: list[dict], model: Qwen3_5VLM) -> float:
-    worst, start = 0.0, 0
-    for s in samples:
-        n = len(s["input_ids"])
-        worst = max(worst, float((packed_logits[0, start : start + n] - _alone_logits(model, s)).abs().max()))
-        start += n
-    return worst
 
 
 # -------------------------------------------------------------------------------------------------------- tests
@@ -298,16 +278,16 @@ def test_logits_and_loss_equal_transformers_on_text_and_images(pair):
 @torch.no_grad()
 def test_packed_logits_equal_each_sample_alone(pair, samples):
     _, ours = pair
-    logits = ours(**_packed_row(samples), seq_lens=_seq_lens(samples))
+    logits = ours(**packed_row(samples), seq_lens=_seq_lens(samples))
     assert float(logits.abs().max()) > 0.1
-    assert _max_delta_per_sample(logits, samples, ours) <= TOL
+    assert max_delta_per_sample(logits, samples, ours, _alone_logits) <= TOL
 
 
 @torch.no_grad()
 def test_same_row_without_seq_lens_leaks(pair, samples):
     _, ours = pair
-    logits = ours(**_packed_row(samples))  # seq_lens None: the whole row is one segment
-    assert _max_delta_per_sample(logits, samples, ours) > 1e3 * TOL
+    logits = ours(**packed_row(samples))  # seq_lens None: the whole row is one segment
+    assert max_delta_per_sample(logits, samples, ours, _alone_logits) > 1e3 * TOL
 
 
 def _loss_grads(model: Qwen3_5VLM, inputs: dict, seq_lens: torch.Tensor | None, s: dict) -> dict[str, torch.Tensor]:
@@ -320,7 +300,7 @@ def _loss_grads(model: Qwen3_5VLM, inputs: dict, seq_lens: torch.Tensor | None, 
 def test_packed_gradients_equal_sum_of_per_sample_gradients(pair, samples):
     _, ours = pair
     packed_targets = {k: torch.cat([s[k] for s in samples]) for k in ("target_ids", "loss_mask")}
-    packed = _loss_grads(ours, _packed_row(samples), _seq_lens(samples), packed_targets)
+    packed = _loss_grads(ours, packed_row(samples), _seq_lens(samples), packed_targets)
     summed: dict[str, torch.Tensor] = {}  # the sum of the per-sample gradients
     for s in samples:
         if not bool(s["loss_mask"].any()):
@@ -331,7 +311,7 @@ def test_packed_gradients_equal_sum_of_per_sample_gradients(pair, samples):
     assert any(n.startswith("model.visual.") for n in packed)  # the tower's gradients are compared too
     assert _grad_rel_delta(packed, summed) <= TOL
     # Negative case: the same row as one segment (no seq_lens) gives gradients far from the per-sample sum.
-    leaky = _loss_grads(ours, _packed_row(samples), None, packed_targets)
+    leaky = _loss_grads(ours, packed_row(samples), None, packed_targets)
     ours.zero_grad(set_to_none=True)
     assert _grad_rel_delta(leaky, summed) > 1e3 * TOL
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vlm_sft.model.presets import tiny_qwen3_5_config
+from vlm_sft.model.presets import tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 
 if TYPE_CHECKING:
     from vlm_sft.model.vlm import LossOutput, Qwen3_5VLM, build_model
 
-__all__ = ["LossOutput", "Qwen3_5VLM", "build_model", "tiny_qwen3_5_config"]
+__all__ = ["LossOutput", "Qwen3_5VLM", "build_model", "tiny_qwen3_5_config", "tiny_qwen3_5_moe_config"]
 
 _LAZY = {"LossOutput", "Qwen3_5VLM", "build_model"}
 

@@ -194,9 +194,14 @@ class GatedAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: token mixer (GatedDeltaNet or gated attention) then MLP."""
+    """Pre-norm residual block: token mixer (GatedDeltaNet or gated attention) then MLP.
 
-    def __init__(self, config: Qwen3_5TextConfig, layer_idx: int) -> None:
+    ``mlp`` None builds the dense SwiGLU ``MLP`` of ``Qwen3_5TextConfig``; the MoE text decoder passes its
+    ``moe.SparseMoeBlock`` instead (``moe_mlp=True``), whose ``(y, router_logits)`` output is unpacked here. The
+    router logits are dropped for now: the batch-global load-balancing loss that needs them is not wired in yet.
+    """
+
+    def __init__(self, config: Qwen3_5TextConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         if self.layer_type == "linear_attention":
@@ -205,7 +210,9 @@ class DecoderLayer(nn.Module):
             self.self_attn = GatedAttention(config)
         else:
             raise ValueError(f"layer_types[{layer_idx}]={self.layer_type!r}: expected linear_attention/full_attention")
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.moe_mlp = mlp is not None
+        """True when ``mlp`` is a routed-expert block returning ``(y_TD, router_logits_TE)``."""
+        self.mlp = mlp if mlp is not None else MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -223,6 +230,9 @@ class DecoderLayer(nn.Module):
         else:
             h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends)
         x_TD = x_TD + h_TD
+        if self.moe_mlp:
+            mlp_TD, _router_logits_TE = self.mlp(self.post_attention_layernorm(x_TD))
+            return x_TD + mlp_TD
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
 

@@ -37,6 +37,11 @@ from transformers import Qwen3_5MoeTextConfig
 from vlm_sft.model.layers import MLP
 
 
+def is_moe_text_config(config: object) -> bool:
+    """True for a Qwen3.5-MoE text config (its decoder layers hold a ``SparseMoeBlock`` instead of a dense MLP)."""
+    return isinstance(config, Qwen3_5MoeTextConfig)
+
+
 def route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k softmax routing as ``Qwen3_5MoeTopKRouter`` computes it; returns ``(logits_TE, weights_TK, experts_TK)``.
 

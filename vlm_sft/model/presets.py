@@ -1,8 +1,9 @@
-"""Model config presets. ``tiny_qwen3_5_config`` is the offline model of the tests and the default run."""
+"""Model config presets. ``tiny_qwen3_5_config`` is the offline model of the tests and the default run;
+``tiny_qwen3_5_moe_config`` is its Qwen3.5-MoE twin (routed experts plus a shared expert in every layer)."""
 
 from __future__ import annotations
 
-from transformers import Qwen3_5Config
+from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from processors.special_tokens import (
     EOS_TOKEN,
@@ -80,5 +81,46 @@ def tiny_qwen3_5_config(
         video_token_id=tiny_token_id(VIDEO_TOKEN),
         vision_start_token_id=tiny_token_id(VISION_START_TOKEN),
         vision_end_token_id=tiny_token_id(VISION_END_TOKEN),
+        tie_word_embeddings=False,
+    )
+
+
+def tiny_qwen3_5_moe_config(
+    *,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 32,
+    shared_expert_intermediate_size: int = 64,
+    router_aux_loss_coef: float = 0.0,
+    **dense_kwargs,
+) -> Qwen3_5MoeConfig:
+    """The tiny Qwen3.5-MoE config: ``tiny_qwen3_5_config``'s widths, layers and vision tower (``dense_kwargs`` are
+    its arguments), with every MLP a sparse MoE block of ``num_experts`` experts, top-``num_experts_per_tok`` routing
+    and a sigmoid-gated shared expert, as in the 35B-A3B family.
+
+    ``router_aux_loss_coef`` defaults to 0 here: the load-balancing loss is batch-global, and the exactness tests
+    (packed == alone) run without it.
+    """
+    dense = tiny_qwen3_5_config(**dense_kwargs)
+    text = dense.text_config.to_dict()
+    for key in ("intermediate_size", "model_type", "transformers_version", "architectures", "dtype"):
+        text.pop(key, None)
+    text.update(
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        moe_intermediate_size=moe_intermediate_size,
+        shared_expert_intermediate_size=shared_expert_intermediate_size,
+        router_aux_loss_coef=router_aux_loss_coef,
+    )
+    vision = dense.vision_config.to_dict()
+    for key in ("model_type", "transformers_version", "architectures", "dtype"):
+        vision.pop(key, None)
+    return Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=dense.image_token_id,
+        video_token_id=dense.video_token_id,
+        vision_start_token_id=dense.vision_start_token_id,
+        vision_end_token_id=dense.vision_end_token_id,
         tie_word_embeddings=False,
     )

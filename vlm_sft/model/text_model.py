@@ -12,23 +12,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import Qwen3_5TextConfig
+from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 from vlm_sft.model.backends import Backends
 from vlm_sft.model.layers import DecoderLayer, RMSNorm
+from vlm_sft.model.moe import SparseMoeBlock, is_moe_text_config
 from vlm_sft.model.rotary import MRopeRotary
 from vlm_sft.model.varlen import Segments
 
 
 class Qwen3_5TextDecoder(nn.Module):
-    """Embedding, decoder layers and final norm with transformers' ``Qwen3_5TextModel`` parameter names."""
+    """Embedding, decoder layers and final norm with transformers' ``Qwen3_5TextModel`` parameter names.
 
-    def __init__(self, config: Qwen3_5TextConfig) -> None:
+    A ``Qwen3_5MoeTextConfig`` gives every layer a ``moe.SparseMoeBlock`` MLP (``Qwen3_5MoeTextModel``'s names).
+    """
+
+    def __init__(self, config: Qwen3_5TextConfig | Qwen3_5MoeTextConfig) -> None:
         super().__init__()
         self.config = config
         # padding_idx as in transformers: the pad row gets no gradient (keeps training identical to theirs).
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
-        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        moe = is_moe_text_config(config)
+        self.layers = nn.ModuleList(
+            [
+                DecoderLayer(config, i, mlp=SparseMoeBlock(config) if moe else None)
+                for i in range(config.num_hidden_layers)
+            ]
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MRopeRotary(config)
         self.activation_checkpointing = False

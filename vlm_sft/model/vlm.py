@@ -2,7 +2,9 @@
 
 The module tree and parameter names equal transformers' ``Qwen3_5ForConditionalGeneration`` (``model.visual.*``
 is their ``Qwen3_5VisionModel`` unchanged, ``model.language_model.*`` is ``Qwen3_5TextDecoder``, plus
-``lm_head.weight``), so Hugging Face checkpoints load and save without renaming.
+``lm_head.weight``), so Hugging Face checkpoints load and save without renaming. A ``Qwen3_5MoeConfig`` builds the
+MoE family the same way (``Qwen3_5MoeForConditionalGeneration``'s names: ``Qwen3_5MoeVisionModel``, a
+``moe.SparseMoeBlock`` MLP per layer); its checkpoints hold per-expert keys on disk (see ``checkpoint_io``).
 
 Forward layout: ``input_ids`` ``[B, L]`` is flattened row-major to T = B * L tokens; ``seq_lens`` splits them
 into segments (samples and padding) that never see each other. The vision tower runs exactly once per forward,
@@ -15,6 +17,7 @@ Legend: B = rows, L = row length, T = B * L tokens, D = hidden size, V = vocab, 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 from collections.abc import Sequence
@@ -23,14 +26,16 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Qwen3_5Config
+from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
 from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 from vlm_sft.model.backends import Backends, resolve_backends
-from vlm_sft.model.checkpoint_io import load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
+from vlm_sft.model.checkpoint_io import fuse_experts, load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
 from vlm_sft.model.layers import init_text_weights
 from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
+from vlm_sft.model.moe import init_moe_weights, is_moe_text_config
 from vlm_sft.model.text_model import Qwen3_5TextDecoder
 from vlm_sft.model.varlen import Segments
 
@@ -56,9 +61,10 @@ class LossOutput:
 class _Qwen3_5Core(nn.Module):
     """Holds ``visual`` and ``language_model`` under ``model.`` so parameter names match transformers."""
 
-    def __init__(self, config: Qwen3_5Config) -> None:
+    def __init__(self, config: Qwen3_5Config | Qwen3_5MoeConfig) -> None:
         super().__init__()
-        self.visual = Qwen3_5VisionModel._from_config(config.vision_config)
+        vision_cls = Qwen3_5MoeVisionModel if isinstance(config, Qwen3_5MoeConfig) else Qwen3_5VisionModel
+        self.visual = vision_cls._from_config(config.vision_config)
         self.language_model = Qwen3_5TextDecoder(config.text_config)
 
 
@@ -71,7 +77,7 @@ class Qwen3_5VLM(nn.Module):
 
     def __init__(
         self,
-        config: Qwen3_5Config,
+        config: Qwen3_5Config | Qwen3_5MoeConfig,
         backends: Backends,
         *,
         freeze_vision: bool = True,
@@ -276,7 +282,10 @@ class Qwen3_5VLM(nn.Module):
         activation_checkpointing: bool = False,
         revision: str | None = None,
     ) -> Qwen3_5VLM:
-        """Loads a Hugging Face Qwen3.5 checkpoint (local dir or hub id; sharded or single safetensors).
+        """Loads a Hugging Face Qwen3.5 or Qwen3.5-MoE checkpoint (local dir or hub id; sharded or single safetensors).
+
+        The family follows ``config.json``'s ``model_type`` (``qwen3_5_moe``: the MoE model). MoE experts are read
+        in transformers' per-expert on-disk form or the fused in-memory form.
 
         ``dtype`` None means float32 (master weights for training; bf16 compute comes from autocast). The model
         is built on the meta device and the checkpoint tensors are assigned in, so nothing is initialized twice.
@@ -284,7 +293,7 @@ class Qwen3_5VLM(nn.Module):
         raises.
         """
         path = resolve_checkpoint_dir(dir_or_hub_id, revision=revision)
-        config = Qwen3_5Config.from_pretrained(path)
+        config = _load_config(path)
         dtype = torch.float32 if dtype is None else dtype
         device = torch.device(device if device is not None else "cpu")
         backends = resolve_backends(device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl)
@@ -293,6 +302,8 @@ class Qwen3_5VLM(nn.Module):
                 config, backends, freeze_vision=freeze_vision, activation_checkpointing=activation_checkpointing
             )
         state = load_hf_state_dict(path, device=device, dtype=dtype)
+        if isinstance(config, Qwen3_5MoeConfig):
+            state = fuse_experts(state)
         dropped = [k for k in state if k.startswith(_IGNORED_CHECKPOINT_PREFIXES)]
         for k in dropped:
             del state[k]
@@ -327,15 +338,25 @@ class Qwen3_5VLM(nn.Module):
         assert not leftovers, f"tensors left on the meta device after loading: {leftovers}"
 
     def save_pretrained(self, save_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> Path:
-        """Writes config.json + (sharded) safetensors that transformers' ``Qwen3_5ForConditionalGeneration`` loads."""
+        """Writes config.json + (sharded) safetensors that transformers' ``Qwen3_5ForConditionalGeneration`` (or
+        ``Qwen3_5MoeForConditionalGeneration``, experts written per expert) loads."""
         state = {k: v.detach() for k, v in self.state_dict().items()}
         if self.tied_embeddings:
             state.pop("lm_head.weight", None)
         return save_hf_checkpoint(state, self.config, save_dir, max_shard_size=max_shard_size)
 
 
+def _load_config(path: Path) -> Qwen3_5Config | Qwen3_5MoeConfig:
+    """The checkpoint's config: ``Qwen3_5MoeConfig`` when ``config.json`` says ``qwen3_5_moe``, else ``Qwen3_5Config``."""
+    config_file = path / "config.json"
+    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
+    if model_type == Qwen3_5MoeConfig.model_type:
+        return Qwen3_5MoeConfig.from_pretrained(path)
+    return Qwen3_5Config.from_pretrained(path)
+
+
 def build_model(
-    config: Qwen3_5Config,
+    config: Qwen3_5Config | Qwen3_5MoeConfig,
     *,
     attn_impl: str = "auto",
     linear_attn_impl: str = "auto",
@@ -354,6 +375,8 @@ def build_model(
     model = Qwen3_5VLM(config, backends, freeze_vision=freeze_vision, activation_checkpointing=activation_checkpointing)
     std = config.text_config.initializer_range
     model.model.language_model.apply(lambda m: init_text_weights(m, std))
+    if is_moe_text_config(config.text_config):
+        model.model.language_model.apply(lambda m: init_moe_weights(m, std))
     with torch.no_grad():
         if not model.tied_embeddings:
             model.lm_head.weight.normal_(0.0, std)
