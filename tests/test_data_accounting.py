@@ -10,10 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from train_helpers import launch_env, read_metrics, tiny_run_args, train_command
+from train_helpers import Background, read_metrics, tiny_run_args
 
 from renderers.errors import RenderError
-from vlm_sft.config import REPO_ROOT
 from vlm_sft.data.accounting import DataAccounting, SkipReport
 from vlm_sft.data.shapes import materialize_shapes
 
@@ -72,19 +71,12 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
     ):
         tmp = tmp_path_factory.mktemp(name)
         args = tiny_run_args(tmp, **{"data.source": str(_data(tmp, rows=rows, bad_images=bad)), **extra})
-        started[name] = (tmp, subprocess.Popen(
-            train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True,
-        ))  # fmt: skip
-    done = {}
+        started[name] = (tmp, Background(args))
     try:
-        for name, (tmp, proc) in started.items():
-            out, err = proc.communicate(timeout=180)  # a hang fails the tests instead of stalling CI
-            done[name] = (tmp, subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+        return {name: (tmp, run.wait(180, check=False)) for name, (tmp, run) in started.items()}
     finally:
-        for _, proc in started.values():
-            proc.kill()
-    return done
+        for _, run in started.values():
+            run.proc.kill()  # the other run too, when one hung
 
 
 def test_a_run_with_a_few_bad_rows_reports_them_everywhere(runs):

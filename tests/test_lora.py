@@ -5,17 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import Background, launch_env, read_metrics, run_training, tiny_run_args, train_command
+from train_helpers import Background, read_metrics, run_training, tiny_run_args
 
-from vlm_sft.config import REPO_ROOT, ConfigError, load_config
+from vlm_sft.config import ConfigError, load_config
 from vlm_sft.trainer import build
 
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.vlm.freeze_vision": True}
@@ -234,19 +231,6 @@ def _assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], tol: f
     assert worst <= tol, worst
 
 
-def _killed_after(args: list[str], checkpoint: Path) -> None:
-    """Starts a run and SIGKILLs it as soon as ``checkpoint`` is complete."""
-    proc = subprocess.Popen(
-        train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 120
-    while not (checkpoint / "COMPLETE").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-
-
 @pytest.mark.slow
 def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp_path):
     """A 1-rank LoRA run with lm_head in modules_to_save (2 data shares x 4 micro-batches) moves only the adapters
@@ -259,12 +243,11 @@ def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp
     one_rank = {"train.micro_batches": 4, "data.num_workers": 2}
     one_args, victim_args = tiny_run_args(one, **common, **one_rank), tiny_run_args(victim, **common, **one_rank)
     uninterrupted = Background(one_args)  # independent runs share the cores
-    _killed_after(victim_args, victim / "run" / "checkpoints" / "step-000002")
+    Background(victim_args).kill_after(victim / "run" / "checkpoints" / "step-000002")
     two_ranks = Background(tiny_run_args(two, **common, **{"train.micro_batches": 2}), nproc=2)
-    other_base = subprocess.run(
-        train_command([*victim_args, "--train.resume", "latest", "--model.initializer_range", "0.05"]),
-        env=launch_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    other_base = Background([*victim_args, "--train.resume", "latest", "--model.initializer_range", "0.05"]).wait(
+        check=False
+    )
     assert other_base.returncode != 0 and "another frozen base" in other_base.stderr, other_base.stderr[-3000:]
     run_training([*victim_args, "--train.resume", "latest"])
     uninterrupted.wait()

@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from train_helpers import (
     read_metrics,
     run_training,
     tiny_run_args,
-    train_command,
 )
 
 from vlm_sft.config import REPO_ROOT
@@ -188,16 +186,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     # The interrupted run prefetches batches in 2 worker processes: its checkpoints must still hold the state of
     # the last batch consumed from each, and which worker is next, so both runs see the same stream.
     args = tiny_run_args(victim, **common)
-    proc = subprocess.Popen(
-        train_command(args), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    ckpt = victim / "run" / "checkpoints" / "step-000003" / "COMPLETE"
-    deadline = time.monotonic() + 120
-    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    Background(args).kill_after(victim / "run" / "checkpoints" / "step-000003")
     uninterrupted.wait()
     expected = deterministic(read_metrics(reference / "run"))
     run_training([*args, "--train.resume", "latest"])

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from vlm_sft.config import REPO_ROOT
@@ -61,34 +64,49 @@ def train_command(args: list[str], nproc: int = 1) -> list[str]:
     ]
 
 
-def run_training(args: list[str], *, nproc: int = 1, timeout: float = 120.0) -> subprocess.CompletedProcess:
-    """Run to completion; a hang (e.g. mismatched collectives) fails after ``timeout`` seconds instead of stalling CI."""
-    proc = subprocess.run(
-        train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
-    )
-    if proc.returncode != 0:
-        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-    return proc
-
-
 class Background:
-    """A training run started in the background (``run_training``'s checks on ``wait``), so that independent runs of
-    one test share the cores: a run is mostly one process importing torch and transformers."""
+    """A training run started in the background, so that independent runs of one test share the cores (a run is
+    mostly one process importing torch and transformers); ``wait`` collects it."""
 
     def __init__(self, args: list[str], *, nproc: int = 1) -> None:
+        # Output goes to files, not pipes: a run nobody reads until it ends must never block on a full pipe.
+        self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the run; read back by wait)
+        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err, text=True
+        )
 
-    def wait(self, timeout: float = 120.0) -> None:
+    def _output(self) -> tuple[str, str]:
+        for f in (self.out, self.err):
+            f.seek(0)
+        return self.out.read(), self.err.read()
+
+    def wait(self, timeout: float = 120.0, *, check: bool = True) -> subprocess.CompletedProcess:
+        """The finished run; a hang (e.g. mismatched collectives) is killed after ``timeout`` seconds instead of
+        stalling CI; ``check``: a non-zero exit fails with the run's output."""
         try:
-            out, err = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             raise
-        if self.proc.returncode != 0:
+        out, err = self._output()
+        if check and self.proc.returncode != 0:
             raise AssertionError(f"training failed ({self.proc.returncode}):\n{out[-4000:]}\n{err[-8000:]}")
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
+
+    def kill_after(self, checkpoint: Path, timeout: float = 120.0) -> None:
+        """SIGKILL the run as soon as ``checkpoint`` is complete; fails if the run ended before it could be killed."""
+        deadline = time.monotonic() + timeout
+        while not (checkpoint / "COMPLETE").exists() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        assert self.proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+
+def run_training(args: list[str], *, nproc: int = 1, timeout: float = 120.0) -> subprocess.CompletedProcess:
+    """Run to completion in the foreground (``Background(...).wait``)."""
+    return Background(args, nproc=nproc).wait(timeout)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
