@@ -43,11 +43,16 @@ def lora_target_names(model: nn.Module, targets: Sequence[str]) -> list[str]:
     return [name for name in _text_linears(model) if name.rsplit(".", 1)[-1] in wanted]
 
 
+def is_saved_module(name: str, modules_to_save: Sequence[str]) -> bool:
+    """Whether the module called ``name`` is one ``modules_to_save`` trains: its last name part is listed and it sits
+    on the text side (``lm_head`` or under the text model), never in the vision tower."""
+    return name.rsplit(".", 1)[-1] in modules_to_save and (name == "lm_head" or name.startswith(TEXT_MODEL_PREFIX))
+
+
 def save_module_names(model: nn.Module, modules_to_save: Sequence[str]) -> list[str]:
     """Full names of the modules ``modules_to_save`` trains; tied embeddings are refused (one weight, two names:
     peft would need both wrapped and tied, and training one silently trains the other)."""
-    names = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in set(modules_to_save)]
-    names = [n for n in names if n == "lm_head" or n.startswith(TEXT_MODEL_PREFIX)]
+    names = [n for n, _ in model.named_modules() if is_saved_module(n, modules_to_save)]
     if names and getattr(model, "tied_embeddings", False):
         raise ValueError(
             f"model.lora.modules_to_save {list(modules_to_save)}: this checkpoint ties lm_head to embed_tokens "

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from vlm_sft.model.lora import ADAPTER_NAME  # the adapter's name, which PEFT files leave out of their keys
+from vlm_sft.model.lora import ADAPTER_NAME, is_saved_module  # ADAPTER_NAME: left out of PEFT files' keys
 
 PEFT_PREFIX = "base_model.model."
 """What a PeftModel (LoraModel inside PeftModel) puts before the wrapped model's parameter names."""
@@ -87,11 +87,9 @@ def merged_state_dict(state: dict[str, torch.Tensor], *, alpha: float, r: int) -
 
 
 def saved_module_keys(state: dict[str, torch.Tensor], modules_to_save: Sequence[str]) -> list[str]:
-    """Keys of the fully trained ``modules_to_save`` (``lm_head.weight``, ``model.language_model.embed_tokens.weight``):
-    their module's last name is listed, outside the vision tower (the trainer trains these in place)."""
-    wanted = set(modules_to_save)
-    keys = [k for k in state if ".lora_" not in k and _BASE not in k and "." in k]
-    return [k for k in keys if k.rsplit(".", 2)[-2] in wanted and not k.startswith("model.visual.")]
+    """Keys of the fully trained ``modules_to_save`` (``lm_head.weight``, ``model.language_model.embed_tokens.weight``),
+    by the rule the trainer unfreezes them with (``lora.is_saved_module``)."""
+    return [k for k in state if "." in k and is_saved_module(k.rsplit(".", 1)[0], modules_to_save)]
 
 
 def adapter_state_dict(state: dict[str, torch.Tensor], modules_to_save: Sequence[str] = ()) -> dict[str, torch.Tensor]:

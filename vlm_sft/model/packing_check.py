@@ -335,8 +335,8 @@ def check_packing(
     """Packs ``samples`` into one row and compares it against each sample alone, calibrated by a float64 reference.
 
     ``model`` is an unsharded ``Qwen3_5VLM`` with float32 parameters (or a module wrapping one with the same
-    forward); frozen ones may be stored in ``compute_dtype``, as a bf16 LoRA run keeps its base. ``compute_dtype`` (e.g. ``torch.bfloat16``) runs the packed and alone passes under that autocast, as
-    training does. Cost per sample: the sample alone and its float64 reference (forward + backward each), and for a
+    forward); frozen ones may be stored in ``compute_dtype``, as a bf16 LoRA run keeps its base. ``compute_dtype``
+    (e.g. ``torch.bfloat16``) runs the packed and alone passes under that autocast, as training does. Cost per sample: the sample alone and its float64 reference (forward + backward each), and for a
     sample with loss tokens two rows of the packed length (packed, and the sample padded; forward + backward each);
     memory: a float64 copy of the parameters. Gradients are taken with ``torch.autograd.grad``: the model's
     ``.grad`` fields are left untouched.
@@ -347,14 +347,12 @@ def check_packing(
     if vlm is None:
         raise TypeError(f"check_packing needs a Qwen3_5VLM (or a module holding one), got {type(model).__name__}")
     # Trainable parameters are fp32 master weights; a frozen base may be stored in the compute dtype (bf16 LoRA).
-    allowed = {torch.float32, compute_dtype}
     odd = sorted(
         {
             str(p.dtype)
             for p in vlm.parameters()
-            if p.is_floating_point() and (p.requires_grad or p.dtype not in allowed)
+            if p.is_floating_point() and p.dtype != torch.float32 and (p.requires_grad or p.dtype != compute_dtype)
         }
-        - {str(torch.float32)}
     )
     if odd:
         raise ValueError(
