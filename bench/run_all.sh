@@ -15,4 +15,5 @@ if [[ -z "${SKIP_LOSS_MEMORY:-}" ]]; then
 fi
 "$PY" bench/bench_train_throughput.py
 "$PY" bench/bench_lora.py
+"$PY" bench/bench_moe.py
 "$PY" bench/calibrate_packing_check.py

@@ -12,7 +12,7 @@ from vlm_sft.model import backends
 from vlm_sft.model.backends import Backends, BackendUnavailableError, resolve_backends
 from vlm_sft.model.varlen import Segments
 
-CPU_AUTO = Backends(attention="sdpa", linear_attention="torch", conv="torch", loss="chunked")
+CPU_AUTO = Backends(attention="sdpa", linear_attention="torch", conv="torch", loss="chunked", experts="grouped_mm")
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +24,7 @@ def _fresh_registry():
 
 def test_auto_on_cpu_picks_the_pure_torch_paths() -> None:
     assert resolve_backends("cpu") == CPU_AUTO
-    assert resolve_backends(torch.device("cpu"), "sdpa", "torch", "chunked") == CPU_AUTO
+    assert resolve_backends(torch.device("cpu"), "sdpa", "torch", "chunked", "grouped_mm") == CPU_AUTO
 
 
 @pytest.mark.parametrize(
@@ -69,14 +69,17 @@ def test_choice_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     records = [r for r in caplog.records if r.name == "vlm_sft.model.backends"]
     assert len(records) == 1
     message = records[0].getMessage()
-    assert "attention=sdpa, linear_attention=torch, conv=torch, loss=chunked" in message
+    assert "attention=sdpa, linear_attention=torch, conv=torch, loss=chunked, experts=grouped_mm" in message
     assert "no CUDA" in message  # the reason is part of the line
 
 
-def _fake_cuda(monkeypatch: pytest.MonkeyPatch, installed: set[str], varlen_flash: bool = False) -> None:
+def _fake_cuda(
+    monkeypatch: pytest.MonkeyPatch, installed: set[str], varlen_flash: bool = False, sm90: bool = False
+) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backends, "_installed", lambda module: module in installed)
     monkeypatch.setattr(backends, "_torch_varlen_ready", lambda: varlen_flash)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0) if sm90 else (8, 0))
 
 
 def test_auto_on_cuda_prefers_the_fast_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -95,6 +98,33 @@ def test_auto_on_cuda_without_packages(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_torch_linear_attention_request_keeps_the_conv_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_cuda(monkeypatch, {"fla", "triton", "causal_conv1d"})
     assert resolve_backends("cuda", linear_attn_impl="torch").conv == "torch"
+
+
+def test_experts_backend_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU: auto takes grouped_mm (faster there, bench_moe.py), names are honoured, unknown names and a missing
+    ``torch._grouped_mm`` fail with the fix; CUDA: grouped_mm on sm90+ only, unless requested."""
+    assert resolve_backends("cpu", experts_impl="sorted").experts == "sorted"
+    assert resolve_backends("cpu", experts_impl="grouped_mm").experts == "grouped_mm"
+    with pytest.raises(ValueError, match=r"model\.experts_impl = 'eager' is not a backend; choose one of auto"):
+        resolve_backends("cpu", experts_impl="eager")
+    with pytest.raises(BackendUnavailableError, match=r"cannot run on device 'meta'.*model\.experts_impl = 'sorted'"):
+        resolve_backends("meta", experts_impl="grouped_mm")
+    assert resolve_backends("meta").experts == "sorted"
+
+    backends._resolve.cache_clear()
+    monkeypatch.delattr(torch, "_grouped_mm")
+    with pytest.raises(BackendUnavailableError, match=r"model\.experts_impl = 'sorted'"):
+        resolve_backends("cpu", experts_impl="grouped_mm")
+    assert resolve_backends("cpu").experts == "sorted"
+
+
+def test_experts_on_cuda_follow_the_grouped_gemm_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, set(), sm90=True)
+    assert resolve_backends("cuda").experts == "grouped_mm"
+    backends._resolve.cache_clear()
+    _fake_cuda(monkeypatch, set(), sm90=False)  # e.g. an A100: torch would loop with a host sync per call
+    assert resolve_backends("cuda").experts == "sorted"
+    assert resolve_backends("cuda", experts_impl="grouped_mm").experts == "grouped_mm"
 
 
 def test_segments_from_host_lengths() -> None:

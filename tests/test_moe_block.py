@@ -1,5 +1,7 @@
 """Our Qwen3.5-MoE block vs transformers' ``Qwen3_5MoeSparseMoeBlock``: same names, same outputs and gradients,
-per-token routing (packed == alone) and no token dropped even when every token picks the same expert."""
+per-token routing (packed == alone) and no token dropped even when every token picks the same expert; the grouped
+GEMM expert path (``grouped_mm``) against the sorted reference, including empty experts, empty input, broadcast
+gradients, autocast and the meta device (no value read on the host)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,13 @@ from transformers import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
 from vlm_sft.model import moe
-from vlm_sft.model.moe import SparseMoeBlock, init_moe_weights, sorted_experts_mlp
+from vlm_sft.model.moe import (
+    SparseMoeBlock,
+    check_grouped_mm_widths,
+    grouped_experts_mlp,
+    init_moe_weights,
+    sorted_experts_mlp,
+)
 
 HIDDEN, EXPERTS, TOP_K = 32, 8, 2
 
@@ -61,9 +69,11 @@ def reference_run(ref: Qwen3_5MoeSparseMoeBlock, x_TD: torch.Tensor) -> tuple[to
     return y, captured[0]
 
 
+@pytest.mark.parametrize("ours_impl", ["sorted", "grouped_mm"])
 @pytest.mark.parametrize("experts_implementation", ["eager", "grouped_mm"])
-def test_parity_with_transformers(experts_implementation):
-    """Forward and backward match for transformers' eager loop and its default (``grouped_mm``) path."""
+def test_parity_with_transformers(experts_implementation, ours_impl):
+    """Forward and backward match for transformers' eager loop and its default (``grouped_mm``) path, with either
+    of our expert paths."""
     cfg = tiny_config(experts_implementation)
     ref = random_reference(cfg)
     ours = ours_from(ref, cfg)
@@ -73,7 +83,7 @@ def test_parity_with_transformers(experts_implementation):
 
     x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
     y_ref, logits_ref = reference_run(ref, x_ref)
-    y_ours, logits_ours = ours(x_ours)
+    y_ours, logits_ours = ours(x_ours, experts_impl=ours_impl)
     assert logits_ours.shape == (57, EXPERTS)
     assert torch.equal(logits_ours, logits_ref)
     assert rel_err(y_ours, y_ref) <= 1e-6
@@ -151,7 +161,8 @@ def per_token_reference(block: SparseMoeBlock, x_TD: torch.Tensor) -> torch.Tens
     return torch.stack(rows)
 
 
-def test_no_token_dropped_when_one_expert_gets_all():
+@pytest.mark.parametrize("impl", ["sorted", "grouped_mm"])
+def test_no_token_dropped_when_one_expert_gets_all(impl):
     """Every token's first choice is expert 0 (8x the mean load): each still gets both of its experts."""
     cfg = tiny_config()
     block = ours_from(random_reference(cfg), cfg)
@@ -163,9 +174,113 @@ def test_no_token_dropped_when_one_expert_gets_all():
         assert (experts_TK[:, 0] == 0).all()
         assert experts_TK[:, 1].unique().numel() > 1  # the second choices spread over other experts
         expected = per_token_reference(block, x)
-        assert rel_err(block(x)[0], expected) <= 1e-6
+        assert rel_err(block(x, experts_impl=impl)[0], expected) <= 1e-6
         # The check can fail: a capacity-limited block drops expert 0 for all but its first T * K / E tokens.
         shared = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
         experts = block.experts
         capped = capacity_experts_mlp(x, experts.gate_up_proj, experts.down_proj, experts_TK, weights_TK) + shared
         assert rel_err(capped, expected) > 1e-2
+
+
+# ------------------------------------------------------------------------------------ grouped GEMM vs sorted
+
+
+def random_experts(tokens: int, num_experts: int = EXPERTS, inter: int = 16, seed: int = 5, unused: tuple = (3,)):
+    """Inputs of the expert functions: ``x`` ``[T, D]``, fused weights, each token's ``TOP_K`` distinct experts
+    drawn from all but ``unused`` (those get no token), and positive routing weights."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    gate_up = 0.2 * torch.randn(num_experts, 2 * inter, HIDDEN, generator=gen)
+    down = 0.2 * torch.randn(num_experts, HIDDEN, inter, generator=gen)
+    allowed = torch.tensor([e for e in range(num_experts) if e not in unused])
+    rows = [allowed[torch.randperm(len(allowed), generator=gen)[:TOP_K]] for _ in range(tokens)]
+    experts = torch.stack(rows) if rows else torch.zeros(0, TOP_K, dtype=torch.long)
+    return x, gate_up, down, experts, torch.rand(tokens, TOP_K, generator=gen)
+
+
+def run_with_grads(fn, x, gate_up, down, experts, weights, cotangent=None):
+    """``fn``'s output and the gradients of ``(y * cotangent).sum()`` (or ``y.sum()``) w.r.t. x, weights, routing."""
+    leaves = [t.clone().requires_grad_() for t in (x, gate_up, down, weights)]
+    y = fn(leaves[0], leaves[1], leaves[2], experts, leaves[3])
+    (y.sum() if cotangent is None else (y * cotangent).sum()).backward()
+    return [y.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("tokens", [1, 57])
+def test_grouped_equals_sorted(tokens):
+    """Forward and every gradient (input, both expert weights, routing weights) agree, with expert 3 unused.
+
+    Measured: bitwise equal with one thread (torch runs the same ``mm`` per expert on the CPU); with two threads the
+    input gradient of large layers differed by 9e-8 relative (BLAS splits the work differently), hence 1e-6."""
+    x, gate_up, down, experts, weights = random_experts(tokens)
+    assert not (experts == 3).any()
+    cotangent = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(6))
+    want = run_with_grads(sorted_experts_mlp, x, gate_up, down, experts, weights, cotangent)
+    got = run_with_grads(grouped_experts_mlp, x, gate_up, down, experts, weights, cotangent)
+    for name, g, w in zip(("y", "x", "gate_up", "down", "weights"), got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        assert rel_err(g, w) <= 1e-6, name
+    assert got[2][3].abs().max() == 0 and got[3][3].abs().max() == 0  # the unused expert: zero gradient
+    assert got[2][experts[0, 0]].abs().max() > 0
+
+
+def test_grouped_empty_input():
+    """No token at all: an empty output, and zero gradients of the right shapes."""
+    x, gate_up, down, experts, weights = random_experts(0)
+    y, dx, dgate_up, ddown, dweights = run_with_grads(grouped_experts_mlp, x, gate_up, down, experts, weights)
+    assert y.shape == (0, HIDDEN) and torch.equal(y, sorted_experts_mlp(x, gate_up, down, experts, weights))
+    assert dx.shape == (0, HIDDEN) and dweights.shape == (0, TOP_K)
+    assert dgate_up.shape == gate_up.shape and not dgate_up.any() and not ddown.any()
+
+
+def test_grouped_product_takes_a_broadcast_gradient(monkeypatch):
+    """``y.sum().backward()`` hands the product a stride-0 gradient, which ``_grouped_mm``'s backward refuses; the
+    densified gradient gives the per-expert matmul's gradients. Without the densifying hook it raises."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(10, HIDDEN, generator=gen, requires_grad=True)
+    weight = torch.randn(4, 16, HIDDEN, generator=gen, requires_grad=True)
+    offsets = torch.tensor([3, 3, 7, 10], dtype=torch.int32)  # expert 1 empty
+    moe._grouped_linear(x, weight, offsets).sum().backward()
+    x_ref, weight_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    bounds = [0, 3, 3, 7, 10]
+    torch.cat([F.linear(x_ref[bounds[e] : bounds[e + 1]], weight_ref[e]) for e in range(4)]).sum().backward()
+    assert rel_err(x.grad, x_ref.grad) <= 1e-6 and rel_err(weight.grad, weight_ref.grad) <= 1e-6
+
+    monkeypatch.setattr(moe, "_dense_grad", lambda grad: grad)
+    with pytest.raises(RuntimeError, match="strides"):
+        moe._grouped_linear(x, weight, offsets).sum().backward()
+
+
+def test_grouped_under_autocast_matches_sorted():
+    """Inside a CPU bf16 autocast region the grouped path casts its operands as ``F.linear`` would (it is not
+    autocast-enabled itself) and gives the sorted path's bf16 result."""
+    x, gate_up, down, experts, weights = random_experts(33)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = sorted_experts_mlp(x, gate_up, down, experts, weights.bfloat16())
+        got = grouped_experts_mlp(x, gate_up, down, experts, weights.bfloat16())
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert rel_err(got.float(), want.float()) <= 1e-2  # measured: bitwise equal
+
+
+def test_grouped_reads_no_value_on_the_host():
+    """On the meta device (no values; its ``_grouped_mm`` checks are CUDA's: bf16, 16-byte strides) the grouped path
+    runs forward and backward, so it never reads a value (each read is a sync on CUDA); the sorted path cannot."""
+    x, gate_up, down, experts, weights = (t.to("meta") for t in random_experts(9))
+    leaves = [t.bfloat16().requires_grad_() for t in (x, gate_up, down)]
+    y = grouped_experts_mlp(*leaves, experts, weights.bfloat16())
+    y.sum().backward()
+    assert y.shape == (9, HIDDEN) and leaves[1].grad.shape == gate_up.shape
+    with pytest.raises((NotImplementedError, RuntimeError)):  # its per-expert counts have no meta value
+        sorted_experts_mlp(*leaves, experts, weights.bfloat16())
+
+
+def test_grouped_rejects_misaligned_widths_and_unknown_paths():
+    x, gate_up, down, experts, weights = random_experts(5)
+    with pytest.raises(ValueError, match=r"multiples of 4 in torch\.float32.*experts_impl='sorted'"):
+        grouped_experts_mlp(x[:, :30], gate_up[:, :, :30], down[:, :30], experts, weights)
+    with pytest.raises(ValueError, match=r"multiples of 8 in torch\.bfloat16"):
+        check_grouped_mm_widths(2048, 100)
+    check_grouped_mm_widths(2048, 512)  # Qwen3.5-35B-A3B
+    cfg = tiny_config()
+    with pytest.raises(ValueError, match="'eager' is not one of sorted, grouped_mm"):
+        SparseMoeBlock(cfg)(x, experts_impl="eager")

@@ -9,6 +9,7 @@ are faster when their packages are installed:
 | GatedDeltaNet         | ``fla``, ``torch``                        | ``torch``       |
 | short causal conv     | ``fla``, ``causal_conv1d``, ``torch``     | ``torch``       |
 | loss                  | ``fla_fused``, ``chunked``                | ``chunked``     |
+| MoE routed experts    | ``grouped_mm`` (sm90 / sm100), ``sorted`` | ``grouped_mm``  |
 
 ``resolve_backends`` is called once at model build. It never imports flash-linear-attention, triton, flash-attn or
 causal-conv1d: availability is probed with ``importlib.util.find_spec`` (and ``torch.cuda``), because importing fla
@@ -19,6 +20,16 @@ the best available one. The choice and the reason are logged once per distinct r
 
 The conv follows the linear-attention request: ``linear_attn_impl = "torch"`` selects the torch conv too (the whole
 GatedDeltaNet layer in pure torch, e.g. to debug), otherwise the fastest varlen conv installed.
+
+The MoE experts (``moe.sorted_experts_mlp`` / ``moe.grouped_experts_mlp``, equal results) need no package: both are
+torch. ``grouped_mm`` (``torch._grouped_mm``) is CUTLASS's grouped GEMM with no host sync on CUDA compute capability
+9.x / 10.x (H100, H200, B200) with bf16 operands; on older GPUs torch runs it as a loop of matmuls that copies the
+offsets to the host at every call (2 syncs per layer forward, 4 in backward, against ``sorted``'s 1), so ``auto``
+keeps ``sorted`` there. On the CPU it is the same loop in C++, without ``sorted``'s Python between the matmuls:
+``bench/bench_moe.py`` measured a forward + backward of one layer at the 35B-A3B widths (fp32, 2 threads) at 0.79x
+``sorted``'s time with the real model's 64 tokens per expert, 0.95x (within noise) with 256, so ``auto`` takes it on
+the CPU too. It needs the hidden and expert intermediate sizes to be multiples of 16 bytes
+(``moe.check_grouped_mm_widths``).
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLS = ("auto", "flash_attn", "torch_varlen", "sdpa")
 LINEAR_ATTN_IMPLS = ("auto", "fla", "torch")
 LOSS_IMPLS = ("auto", "fla_fused", "chunked")
+EXPERTS_IMPLS = ("auto", "sorted", "grouped_mm")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -53,6 +65,9 @@ class Backends:
     """Short causal conv of the GatedDeltaNet layer: ``"fla"`` | ``"causal_conv1d"`` | ``"torch"``; see ``conv``."""
     loss: str
     """Cross-entropy over hidden states: ``"fla_fused"`` | ``"chunked"``; see ``loss.chunked_cross_entropy``."""
+    experts: str = "sorted"
+    """MoE routed experts: ``"sorted"`` | ``"grouped_mm"``; see ``moe.sorted_experts_mlp`` / ``grouped_experts_mlp``
+    (unused by dense models)."""
 
 
 def resolve_backends(
@@ -60,6 +75,7 @@ def resolve_backends(
     attn_impl: str = "auto",
     linear_attn_impl: str = "auto",
     loss_impl: str = "auto",
+    experts_impl: str = "auto",
 ) -> Backends:
     """Choose every op's backend for ``device`` (``"auto"`` = best available; a name = that one or an error).
 
@@ -70,14 +86,15 @@ def resolve_backends(
         (attn_impl, ATTN_IMPLS, "attn_impl"),
         (linear_attn_impl, LINEAR_ATTN_IMPLS, "linear_attn_impl"),
         (loss_impl, LOSS_IMPLS, "loss_impl"),
+        (experts_impl, EXPERTS_IMPLS, "experts_impl"),
     ):
         if value not in allowed:
             raise ValueError(f"model.{key} = {value!r} is not a backend; choose one of {', '.join(allowed)}")
-    return _resolve(torch.device(device).type, attn_impl, linear_attn_impl, loss_impl)
+    return _resolve(torch.device(device).type, attn_impl, linear_attn_impl, loss_impl, experts_impl)
 
 
 @functools.cache
-def _resolve(device_type: str, attn_impl: str, linear_attn_impl: str, loss_impl: str) -> Backends:
+def _resolve(device_type: str, attn_impl: str, linear_attn_impl: str, loss_impl: str, experts_impl: str) -> Backends:
     """Cached per distinct request, so the log line appears once however many layers or models ask."""
     on_cuda = device_type == "cuda" and torch.cuda.is_available()
     reasons: list[str] = []
@@ -85,14 +102,16 @@ def _resolve(device_type: str, attn_impl: str, linear_attn_impl: str, loss_impl:
     linear_attention = _pick_linear_attention(device_type, on_cuda, linear_attn_impl, reasons)
     conv = _pick_conv(on_cuda, linear_attention, linear_attn_impl, reasons)
     loss = _pick_loss(device_type, on_cuda, loss_impl, reasons)
-    chosen = Backends(attention=attention, linear_attention=linear_attention, conv=conv, loss=loss)
+    experts = _pick_experts(device_type, on_cuda, experts_impl, reasons)
+    chosen = Backends(attention=attention, linear_attention=linear_attention, conv=conv, loss=loss, experts=experts)
     logger.info(
-        "kernel backends on %s: attention=%s, linear_attention=%s, conv=%s, loss=%s (%s)",
+        "kernel backends on %s: attention=%s, linear_attention=%s, conv=%s, loss=%s, experts=%s (%s)",
         device_type,
         chosen.attention,
         chosen.linear_attention,
         chosen.conv,
         chosen.loss,
+        chosen.experts,
         "; ".join(reasons),
     )
     return chosen
@@ -219,8 +238,49 @@ def _pick_loss(device_type: str, on_cuda: bool, request: str, reasons: list[str]
     return "chunked"
 
 
+def _grouped_mm_runs(device_type: str, on_cuda: bool) -> bool:
+    """``torch._grouped_mm`` exists (torch >= 2.9 on the CPU; the registry never runs it) and the device is one it has
+    a kernel for."""
+    return hasattr(torch, "_grouped_mm") and (device_type == "cpu" or on_cuda)
+
+
+def _grouped_mm_fast_on_cuda() -> bool:
+    """torch's grouped GEMM kernel (no host sync) runs on compute capability 9.x and 10.x; elsewhere torch loops."""
+    return torch.cuda.get_device_capability()[0] in (9, 10)
+
+
+def _pick_experts(device_type: str, on_cuda: bool, request: str, reasons: list[str]) -> str:
+    if request == "grouped_mm":
+        if _grouped_mm_runs(device_type, on_cuda):
+            slow = on_cuda and not _grouped_mm_fast_on_cuda()
+            reasons.append("experts: grouped_mm as requested" + (" (below sm90 torch loops, a sync per call)" * slow))
+            return "grouped_mm"
+        raise BackendUnavailableError(
+            f"experts_impl = 'grouped_mm' (torch._grouped_mm) was requested but cannot run on device {device_type!r} "
+            f"with torch {torch.__version__} here (it needs the CPU or a CUDA GPU, and torch >= 2.9). "
+            "Fix: run on the CPU or a CUDA GPU, or set model.experts_impl = 'sorted'."
+        )
+    if request == "sorted":
+        reasons.append("experts: sorted as requested")
+        return "sorted"
+    if on_cuda and _grouped_mm_runs(device_type, on_cuda) and _grouped_mm_fast_on_cuda():
+        reasons.append("experts: grouped_mm, torch's grouped GEMM on sm90/sm100 (bf16), no host sync")
+        return "grouped_mm"
+    if on_cuda:
+        reasons.append("experts: sorted (torch's grouped GEMM kernel needs sm90/sm100; elsewhere it syncs per call)")
+        return "sorted"
+    if _grouped_mm_runs(device_type, on_cuda):
+        reasons.append(
+            "experts: grouped_mm, 0.79x the sorted path's time on the CPU at 64 tokens per expert (bench_moe.py)"
+        )
+        return "grouped_mm"
+    reasons.append(f"experts: sorted (no torch._grouped_mm kernel on {device_type!r})")
+    return "sorted"
+
+
 __all__ = [
     "ATTN_IMPLS",
+    "EXPERTS_IMPLS",
     "LINEAR_ATTN_IMPLS",
     "LOSS_IMPLS",
     "BackendUnavailableError",

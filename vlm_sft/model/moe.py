@@ -19,9 +19,25 @@ Parameter names and shapes equal transformers' in-memory modules, so a state dic
 ``[1, D]``. (On disk transformers writes per-expert keys through a conversion mapping; that is the checkpoint
 adapter's job, not this module's.)
 
-Expert compute: ``sorted_experts_mlp`` is the exact pure-torch path. Token slots are sorted by expert, each active
-expert runs one matmul pair over its contiguous slice, and the slots are put back in token order. There is no
-capacity factor: an expert takes however many tokens choose it, so no token is ever dropped.
+Expert compute, two paths with one signature and one result (``EXPERT_PATHS``; ``backends.resolve_backends`` picks
+one, ``Experts.forward`` / ``SparseMoeBlock.forward`` take its name):
+
+- ``sorted_experts_mlp`` ("sorted"): the exact pure-torch reference, on any device and dtype. Token slots are sorted
+  by expert, each active expert runs one matmul pair over its contiguous slice, and the slots are put back in token
+  order. There is no capacity factor: an expert takes however many tokens choose it, so no token is ever dropped.
+  It reads the per-expert counts on the host (one sync per call, which stalls a CUDA stream).
+- ``grouped_experts_mlp`` ("grouped_mm"): the same sort, then ``torch._grouped_mm`` runs all experts' matmuls in
+  one call from the per-expert offsets, a device int32 tensor: our code never reads a value on the host. On CUDA
+  sm90 / sm100 with bf16 operands that is one CUTLASS grouped GEMM, with no sync in forward or backward; elsewhere
+  (the CPU, fp32, older GPUs) torch runs it as a C++ loop of one ``mm`` per expert, i.e. the sorted path's matmuls
+  without Python between them (on such a GPU torch copies the offsets to the host at each call). On the CPU it is
+  the faster of the two (``bench/bench_moe.py``). Its constraints, from torch's ``_grouped_mm`` checks: fp32 / bf16
+  / fp16 operands of one dtype (it is not autocast-enabled, so the operands are cast here to the dtype autocast would
+  give ``F.linear``); every operand row- or column-major with its leading stride a multiple of 16 bytes (hence
+  hidden and expert intermediate sizes multiples of 4 in fp32, 8 in bf16: ``check_grouped_mm_widths``; Qwen3.5's
+  2048 and 512 are); and an incoming gradient with real strides: its backward refuses a broadcast (stride-0) one,
+  such as the gradient of a ``.sum()`` of the product. Here the elementwise products after each grouped product
+  already hand it a dense gradient; ``_grouped_linear`` densifies it anyway, so the product is safe on its own.
 
 Legend: T = tokens, D = hidden size, E = experts, K = experts per token (top-k), I = expert intermediate size,
 F = 2I (fused gate and up rows), N = T * K routed token slots.
@@ -35,6 +51,9 @@ from torch import nn
 from transformers import Qwen3_5MoeTextConfig
 
 from vlm_sft.model.layers import MLP
+
+EXPERT_PATHS = ("sorted", "grouped_mm")
+"""Names of the routed-expert paths (the registry in ``backends`` adds "auto")."""
 
 
 def is_moe_text_config(config: object) -> bool:
@@ -56,6 +75,19 @@ def route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int) -> tuple[torc
     return logits_TE, weights_TK, experts_TK
 
 
+def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed slots grouped by expert: ``(order_N, offsets_E)``, both on ``experts_TK``'s device, no host sync.
+
+    Slot n of the sorted layout is flat slot ``order_N[n]`` (token ``order_N[n] // K``); the sort is stable, so an
+    expert's slots keep token order. ``offsets_E[e]`` (int32, ``_grouped_mm``'s ``offs``) ends expert e's slice: the
+    number of slots routed to experts ``<= e``, read from the sorted ids by ``searchsorted``. (``cumsum(bincount)``
+    is the same, but CUDA's ``bincount`` reads the ids' minimum and maximum on the host.)
+    """
+    sorted_expert_N, order_N = torch.sort(experts_TK.reshape(-1), stable=True)
+    expert_ids_E = torch.arange(num_experts, device=experts_TK.device, dtype=sorted_expert_N.dtype)
+    return order_N, torch.searchsorted(sorted_expert_N, expert_ids_E, right=True, out_int32=True)
+
+
 def sorted_experts_mlp(
     x_TD: torch.Tensor,
     gate_up_EFD: torch.Tensor,
@@ -70,8 +102,8 @@ def sorted_experts_mlp(
     tokens (no capacity, no padding, no dropping). The slot outputs are scaled by their routing weight, put back in
     ``(t, k)`` order by a gather and summed over k, which is deterministic (no atomic ``index_add``).
 
-    Reading the per-expert counts (``tolist``) is one host sync per call; a grouped-GEMM backend with the same
-    signature can take the counts as a device tensor instead.
+    Reading the per-expert counts (``tolist``) is one host sync per call; ``grouped_experts_mlp`` (same signature)
+    keeps them on the device instead.
     """
     num_tokens, top_k = experts_TK.shape
     num_experts, _, hidden = gate_up_EFD.shape
@@ -80,23 +112,99 @@ def sorted_experts_mlp(
     if num_tokens == 0:
         return x_TD.new_zeros(0, hidden)
 
-    expert_N = experts_TK.reshape(-1)
-    order_N = torch.argsort(expert_N, stable=True)  # slot n of the sorted layout is flat slot order_N[n]
-    token_N = order_N // top_k
-    counts = torch.bincount(expert_N, minlength=num_experts).tolist()
-    x_ND = x_TD[token_N]
+    order_N, offsets_E = sort_by_expert(experts_TK, num_experts)
+    counts = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+    x_ND = x_TD[order_N // top_k]
 
+    # One unbind, not E indexings: each ``weight[e]``'s backward would add a zero-filled [E, ...] gradient.
+    gate_up_FD, down_DI = gate_up_EFD.unbind(0), down_EDI.unbind(0)
     outputs = []
     for expert, x_nD in enumerate(torch.split(x_ND, counts)):
         if x_nD.shape[0] == 0:
             continue
-        gate_nI, up_nI = F.linear(x_nD, gate_up_EFD[expert]).chunk(2, dim=-1)
-        outputs.append(F.linear(F.silu(gate_nI) * up_nI, down_EDI[expert]))
+        gate_nI, up_nI = F.linear(x_nD, gate_up_FD[expert]).chunk(2, dim=-1)
+        outputs.append(F.linear(F.silu(gate_nI) * up_nI, down_DI[expert]))
     y_ND = torch.cat(outputs) * weights_TK.reshape(-1)[order_N, None]
 
     inverse_N = torch.empty_like(order_N)
     inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
     return y_ND[inverse_N].view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def grouped_experts_mlp(
+    x_TD: torch.Tensor,
+    gate_up_EFD: torch.Tensor,
+    down_EDI: torch.Tensor,
+    experts_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+) -> torch.Tensor:
+    """``sorted_experts_mlp`` with each projection one ``torch._grouped_mm`` call over all experts: same signature,
+    same result (bitwise on the CPU in fp32, where torch runs the same ``mm`` per expert), no host sync.
+
+    The slots are sorted by expert as in ``sorted_experts_mlp`` (``sort_by_expert``), and its device offsets go to
+    ``_grouped_mm`` as they are. An expert with no token has an empty group: no work, zero gradient. The operands are cast to one dtype (``_grouped_mm`` is not autocast-enabled): autocast's dtype inside an autocast
+    region, else ``x``'s. Raises ``ValueError`` when the hidden or intermediate size breaks its 16-byte alignment.
+    """
+    num_tokens, top_k = experts_TK.shape
+    num_experts, _, hidden = gate_up_EFD.shape
+    assert x_TD.shape == (num_tokens, hidden), (x_TD.shape, experts_TK.shape, gate_up_EFD.shape)
+    assert weights_TK.shape == experts_TK.shape, (weights_TK.shape, experts_TK.shape)
+    dtype = _matmul_dtype(x_TD)
+    check_grouped_mm_widths(hidden, down_EDI.shape[-1], dtype)
+
+    order_N, offsets_E = sort_by_expert(experts_TK, num_experts)
+    x_ND = x_TD[order_N // top_k].to(dtype)
+
+    gate_NI, up_NI = _grouped_linear(x_ND, gate_up_EFD.to(dtype), offsets_E).chunk(2, dim=-1)
+    y_ND = _grouped_linear(F.silu(gate_NI) * up_NI, down_EDI.to(dtype), offsets_E)
+    y_ND = y_ND * weights_TK.reshape(-1)[order_N, None]
+
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return y_ND[inverse_N].view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` would compute in: autocast's inside an autocast region on ``x``'s device, else ``x``'s."""
+    device_type = x.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def check_grouped_mm_widths(hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Raise ``ValueError`` (with the fix) unless ``grouped_experts_mlp`` can run these widths in ``dtype``.
+
+    ``_grouped_mm`` needs every operand's leading stride (here the hidden and intermediate sizes, the gate+up width
+    being twice the latter) to be a multiple of 16 bytes: multiples of 4 in float32, of 8 in bf16 / fp16 (the
+    default, the stricter). A model build that resolved ``experts = "grouped_mm"`` can call it to fail before the
+    first forward."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"experts_impl='grouped_mm' runs in float32, bfloat16 or float16, not {dtype}; use 'sorted'")
+    multiple = 16 // torch.empty((), dtype=dtype).element_size()
+    if hidden % multiple or inter % multiple:
+        raise ValueError(
+            f"experts_impl='grouped_mm' needs hidden_size ({hidden}) and moe_intermediate_size ({inter}) to be "
+            f"multiples of {multiple} in {dtype} (torch._grouped_mm's 16-byte strides); use experts_impl='sorted'"
+        )
+
+
+def _grouped_linear(x_ND: torch.Tensor, weight_EOI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets_E[e-1]:offsets_E[e]`` of ``x_ND`` times ``weight_EOI[e]`` transposed: ``[N, I] -> [N, O]``.
+
+    ``_grouped_mm``'s backward multiplies the incoming gradient as it is and refuses one with stride-0 dims (the
+    broadcast gradient of a ``sum``); the hook hands it a dense copy instead, and a dense gradient passes through.
+    """
+    y_NO = torch._grouped_mm(x_ND, weight_EOI.contiguous().transpose(-2, -1), offs=offsets_E)
+    if y_NO.requires_grad:
+        y_NO.register_hook(_dense_grad)
+    return y_NO
+
+
+def _dense_grad(grad_NO: torch.Tensor) -> torch.Tensor:
+    if grad_NO.stride() == (grad_NO.shape[1], 1):
+        return grad_NO
+    return grad_NO.clone(memory_format=torch.contiguous_format)
 
 
 class TopKRouter(nn.Module):
@@ -120,8 +228,15 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter))
 
-    def forward(self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        return sorted_experts_mlp(x_TD, self.gate_up_proj, self.down_proj, experts_TK, weights_TK)
+    def forward(
+        self, x_TD: torch.Tensor, experts_TK: torch.Tensor, weights_TK: torch.Tensor, impl: str = "sorted"
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum ``[T, D]`` by the path named ``impl`` (``EXPERT_PATHS``)."""
+        if impl == "sorted":
+            return sorted_experts_mlp(x_TD, self.gate_up_proj, self.down_proj, experts_TK, weights_TK)
+        if impl == "grouped_mm":
+            return grouped_experts_mlp(x_TD, self.gate_up_proj, self.down_proj, experts_TK, weights_TK)
+        raise ValueError(f"experts impl {impl!r} is not one of {', '.join(EXPERT_PATHS)}")
 
 
 class SparseMoeBlock(nn.Module):
@@ -145,11 +260,12 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x_TD: torch.Tensor, experts_impl: str = "sorted") -> tuple[torch.Tensor, torch.Tensor]:
+        """``experts_impl`` names the routed-expert path (``EXPERT_PATHS``; ``Backends.experts`` once resolved)."""
         if x_TD.dim() != 2:
             raise ValueError(f"SparseMoeBlock takes flattened tokens [T, D]; got shape {tuple(x_TD.shape)}")
         logits_TE, weights_TK, experts_TK = self.gate(x_TD)
-        routed_TD = self.experts(x_TD, experts_TK, weights_TK)
+        routed_TD = self.experts(x_TD, experts_TK, weights_TK, impl=experts_impl)
         shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
         return routed_TD + shared_TD, logits_TE
 
