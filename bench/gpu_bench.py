@@ -2,7 +2,8 @@
 
     bash bench/gpu.sh                      (the whole GPU check: kernel exactness, the trainer end to end, this)
     python bench/gpu_bench.py [--pack-len 8192] [--steps 8] [--modes bfd,stack] [--backends auto,torch] [--lora bfd]
-    python bench/gpu_bench.py --smoke      (a CPU dry run of the same code on a shrunken shape)
+                              [--moe bfd] [--moe-layers 4]
+    python bench/gpu_bench.py --smoke      (a CPU dry run of the same code on shrunken shapes)
 
 The model is ``vlm_sft.flops.qwen3_5_0_8b_config()`` (the real 0.8B shape, random init, nothing downloaded): fp32
 master weights, bf16 autocast, frozen vision tower (as ``configs/qwen3_5_0_8b.toml``), fused AdamW. Data: the
@@ -16,6 +17,15 @@ its frozen base kept in bf16 on a GPU (``store_frozen_in(model, bfloat16)``, as 
 float32 in ``--smoke``), AdamW over the adapters only. Their TFLOP/s and MFU count LoRA's useful FLOPs: the frozen
 projections, conv and LM head x 2 (forward and input gradient, no weight gradient), attention and GatedDeltaNet x 3,
 the adapters x 3, the tower x 1. Without peft installed the LoRA rows are skipped with a note.
+
+MoE rows (``--moe``, default ``bfd``, on the first backend, full fine-tuning): ``vlm_sft.flops.qwen3_5_35b_a3b_config``
+at its real widths (hidden 2048, 256 experts of width 512, top 8, a shared expert of 512, vocabulary 248320, the
+27-block vision tower) but only the first ``--moe-layers`` decoder layers (default 4: 3 GatedDeltaNet + 1 full
+attention, one period of the 3:1 pattern), so it trains on one GPU with AdamW: 4.83B parameters, 4.38B of them
+trainable (the routed experts 0.81B a layer), about 72 GB of fp32 weights, gradients and AdamW moments before activations
+(8 layers would need about 125 GB). Same path as the other rows (fp32 master weights, bf16 autocast, frozen tower,
+fused AdamW); their TFLOP/s and MFU count the active experts only (``vlm_sft.flops``: router, top-k routed experts,
+shared expert and its gate, never all 256). The load-balancing loss is not in these steps (its FLOPs are elementwise).
 
 Per mode: ``--warmup`` untimed steps (kernel compilation and autotuning), then ``--steps`` timed steps, each
 synchronized; the vision tower is timed by forward hooks (synchronized). Tokens/s counts real (non-padding) tokens;
@@ -42,14 +52,17 @@ from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.synthetic import SyntheticSource
-from vlm_sft.flops import FlopCount, batch_flops, mfu, peak_flops, qwen3_5_0_8b_config
+from vlm_sft.flops import FlopCount, batch_flops, mfu, peak_flops, qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
 from vlm_sft.model import build_model
+from vlm_sft.model.moe import is_moe_text_config
 from vlm_sft.trainer.metrics import ModuleTimer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gpu_bench.json"
 DEFAULTS = {"pack_len": 8192, "samples": 600, "warmup": 3, "steps": 8}
 SMOKE_DEFAULTS = {"pack_len": 1024, "samples": 24, "warmup": 1, "steps": 2}
 """Sizes of a GPU run and of ``--smoke`` (CPU), each used where the command line leaves it unset."""
+MOE_LAYERS = 4
+"""Decoder layers of the MoE rows' 35B-A3B-wide model: one 3:1 period, 4.83B parameters (module docstring)."""
 
 
 def make_batches(samples, mode: str, *, pack_len: int, stack_rows: int, pad_id: int) -> list[PackedBatch]:
@@ -69,9 +82,14 @@ def make_batches(samples, mode: str, *, pack_len: int, stack_rows: int, pad_id: 
 
 
 def shrink(config):
-    """A CPU-sized copy of the shape for ``--smoke`` (same layer mix and head structure, far fewer parameters)."""
+    """A CPU-sized copy of the shape for ``--smoke`` (same layer mix and head structure, far fewer parameters); an MoE
+    shape keeps its top-8 routing and shared expert over 32 experts of width 32."""
     t, v = config.text_config, config.vision_config
-    t.hidden_size, t.intermediate_size, t.num_hidden_layers = 128, 256, 4
+    if is_moe_text_config(t):
+        t.num_experts, t.moe_intermediate_size, t.shared_expert_intermediate_size = 32, 32, 64
+    else:
+        t.intermediate_size = 256
+    t.hidden_size, t.num_hidden_layers = 128, 4
     t.layer_types = t.layer_types[:4]
     t.head_dim, t.linear_key_head_dim, t.linear_value_head_dim = 32, 16, 16
     t.vocab_size = 4096
@@ -85,8 +103,10 @@ class Bench:
     def __init__(self, config, device: torch.device, backend: str, *, lora: bool = False) -> None:
         torch.manual_seed(0)
         impl = {"attn_impl": "sdpa", "linear_attn_impl": "torch", "loss_impl": "chunked"} if backend == "torch" else {}
-        self.model = build_model(config, device=device, dtype=torch.float32, freeze_vision=True, **impl)
+        with torch.device(device):  # built and initialised on the device: no host copy of a 4.8B-parameter MoE model
+            self.model = build_model(config, device=device, dtype=torch.float32, freeze_vision=True, **impl)
         self.tuning = "lora" if lora else "full"
+        self.total_params = sum(p.numel() for p in self.model.parameters())
         self.adapter_flops_per_token = attach_lora_adapters(self.model, device) if lora else 0.0
         self.model.train()
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -166,6 +186,7 @@ def run_mode(bench: Bench, batches: list[PackedBatch], warmup: int, steps: int, 
     total = {k: sum(r[k] for r in records) for k in ("vision", "forward", "backward", "optimizer")}
     return {
         "tuning": bench.tuning,
+        "total_params": bench.total_params,
         "trainable_params": bench.trainable_params,
         "steps": len(timed),
         "rows_x_len": f"{timed[0].shape[0]} x {max(b.shape[1] for b in timed)}",
@@ -193,6 +214,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--stack-rows", type=int, default=2)
     ap.add_argument("--backends", default="auto", help="comma list: auto (fastest installed), torch (pure torch)")
     ap.add_argument("--lora", default="bfd", help="modes (of --modes) that also train with LoRA, on the first backend")
+    ap.add_argument("--moe", default="bfd", help="modes (of --modes) that also train the 35B-A3B-wide MoE model")
+    ap.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help="its decoder layers (default 4; of 40)")
     ap.add_argument("--warmup", type=int, help="untimed steps per row (default 3; --smoke 1)")
     ap.add_argument("--steps", type=int, help="timed steps per row (default 8; --smoke 2)")
     ap.add_argument("--smoke", action="store_true", help="CPU dry run on a shrunken shape (checks the script only)")
@@ -201,38 +224,54 @@ def parse_args() -> argparse.Namespace:
     for key, value in (SMOKE_DEFAULTS if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.lora = [m for m in args.lora.split(",") if m and m != "none"]
-    unknown = [m for m in args.lora if m not in args.modes.split(",")]
-    if unknown:
-        raise SystemExit(f"--lora {unknown} are not among --modes {args.modes}: add them there, or pass --lora none")
+    for flag in ("lora", "moe"):
+        chosen = [m for m in getattr(args, flag).split(",") if m and m != "none"]
+        unknown = [m for m in chosen if m not in args.modes.split(",")]
+        if unknown:
+            raise SystemExit(
+                f"--{flag} {unknown} are not among --modes {args.modes}: add them there, or pass --{flag} none"
+            )
+        setattr(args, flag, chosen)
     return args
 
 
-def row_plan(backends: list[str], modes: list[str], lora_modes: list[str]) -> list[tuple[str, bool, list[str]]]:
-    """``(backend, lora, modes)`` per model to build: each backend fully fine-tuned, then (after the first) LoRA on
-    ``lora_modes``, so LoRA runs beside full fine-tuning with the same kernels. peft missing: no LoRA, with a note."""
+def row_plan(
+    backends: list[str], modes: list[str], lora_modes: list[str], moe_modes: list[str]
+) -> list[tuple[str, str, list[str]]]:
+    """``(backend, variant, modes)`` per model to build, variant ``full``, ``lora`` or ``moe``: each backend fully
+    fine-tuned, then (after the first) LoRA on ``lora_modes`` and the MoE model on ``moe_modes``, so both run beside
+    full fine-tuning with the same kernels. peft missing: no LoRA, with a note."""
     if lora_modes and importlib.util.find_spec("peft") is None:
         print("note: peft is not installed: no LoRA rows (carry its wheel in .whl/, see bench/README.md)", flush=True)
         lora_modes = []
-    plan = [(backends[0], False, modes)] + ([(backends[0], True, lora_modes)] if lora_modes else [])
-    return plan + [(b, False, modes) for b in backends[1:]]
+    first = [(backends[0], "full", modes), (backends[0], "lora", lora_modes), (backends[0], "moe", moe_modes)]
+    return [group for group in first if group[2]] + [(b, "full", modes) for b in backends[1:]]
+
+
+def model_configs(args: argparse.Namespace) -> dict[str, object]:
+    """The dense 0.8B shape (``full`` and ``lora`` rows) and the few-layer 35B-A3B shape (``moe``), shrunk for
+    ``--smoke``. Both have the same vocabulary and special-token ids, so the rows share their batches."""
+    dense, moe = qwen3_5_0_8b_config(), qwen3_5_35b_a3b_config(args.moe_layers)
+    if args.smoke:
+        dense, moe = shrink(dense), shrink(moe)
+    assert dense.text_config.pad_token_id == moe.text_config.pad_token_id, "the rows share their padded batches"
+    return {"full": dense, "lora": dense, "moe": moe}
 
 
 def main() -> None:
     args = parse_args()
-    config = qwen3_5_0_8b_config()
     if args.smoke:
         device = torch.device("cpu")
-        config = shrink(config)
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or pass --smoke for a CPU dry run of the script")
     else:
         device = torch.device("cuda")
+    configs = model_configs(args)
     peak = peak_flops(device, torch.bfloat16)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     source = SyntheticSource(args.samples, distribution="long_tail", seed=0)
     samples = [source(i) for i in range(args.samples)]
-    pad_id = int(config.text_config.pad_token_id)
+    pad_id = int(configs["full"].text_config.pad_token_id)
     batches = {
         m: make_batches(samples, m, pack_len=args.pack_len, stack_rows=args.stack_rows, pad_id=pad_id)
         for m in args.modes.split(",")
@@ -242,24 +281,21 @@ def main() -> None:
         targets.append(Path(os.environ["OUT"]) / "gpu_bench.json")
     payload = {"device": name, "peak_flops": peak, "torch": torch.__version__, "pack_len": args.pack_len}
     payload |= {"smoke": args.smoke, "complete": False, "rows": []}
-    for backend, lora, modes in row_plan(args.backends.split(","), list(batches), args.lora):
-        bench = Bench(config, device, backend, lora=lora)
-        chosen = bench.model.backends
+    for backend, variant, modes in row_plan(args.backends.split(","), list(batches), args.lora, args.moe):
+        bench = Bench(configs[variant], device, backend, lora=variant == "lora")
         for mode in modes:
-            start = time.perf_counter()
-            row = run_mode(bench, batches[mode], args.warmup, args.steps, peak)
-            row |= {"backend": backend, "mode": mode, "kernels": f"{chosen.attention}/{chosen.linear_attention}"}
-            row["wall_s"] = time.perf_counter() - start
+            row = run_row(bench, batches[mode], args, peak) | {"backend": backend, "mode": mode}
             payload["rows"].append(row)
             write_json(targets, payload, quiet=True)  # rows so far survive a time limit that stops the run
             tok_s = f"{row['real_tok_s']:.0f} real tok/s"
-            print(f"  {backend} {bench.tuning} {mode}: {tok_s} ({row['wall_s']:.0f} s)", flush=True)
+            print(f"  {backend} {row['model']} {bench.tuning} {mode}: {tok_s} ({row['wall_s']:.0f} s)", flush=True)
         del bench
         if device.type == "cuda":
             gc.collect()  # the next model's peak memory must not count this one
             torch.cuda.empty_cache()
     peak_text = f"peak {peak / 1e12:.0f} TFLOP/s bf16 dense" if peak else "no known peak rate (MFU n/a)"
-    shape = "shrunken Qwen3.5-0.8B shape (--smoke)" if args.smoke else "Qwen3.5-0.8B shape"
+    shape = "Qwen3.5-0.8B shape" + (f"; MoE rows: Qwen3.5-35B-A3B widths, {args.moe_layers} layers" if args.moe else "")
+    shape = f"shrunken {shape} (--smoke)" if args.smoke else shape
     precision = "bf16 autocast" if device.type == "cuda" else "float32"
     print(f"\n{shape}, random init, {precision}, frozen vision, {args.pack_len}-token packs; {name}; {peak_text}")
     print(format_rows(payload["rows"]))
@@ -267,11 +303,26 @@ def main() -> None:
     write_json(targets, payload)
 
 
+def run_row(bench: Bench, batches: list[PackedBatch], args: argparse.Namespace, peak: float | None) -> dict:
+    """One row: ``run_mode`` plus the model it ran (``0.8B``, or ``35B-A3B/4L`` for the MoE shape) and its kernels."""
+    start = time.perf_counter()
+    row = run_mode(bench, batches, args.warmup, args.steps, peak)
+    text = bench.model.config.text_config
+    chosen = bench.model.backends
+    kernels = f"{chosen.attention}/{chosen.linear_attention}"
+    if is_moe_text_config(text):
+        row["model"] = f"35B-A3B/{text.num_hidden_layers}L"
+        kernels += f"/{chosen.experts}"
+    else:
+        row["model"] = "0.8B"
+    return row | {"kernels": kernels, "wall_s": time.perf_counter() - start}
+
+
 def format_rows(rows: list[dict]) -> str:
-    """The results table (one line per backend x tuning x mode); ``bench/gpu_check.py`` prints it too."""
+    """The results table (one line per backend x model x tuning x mode); ``bench/gpu_check.py`` prints it too."""
     header = (
-        f"{'backend':<8} {'kernels':<20} {'tune':<4} {'mode':<6} {'rows x len':>11} {'real tok/s':>10} {'step ms':>8} "
-        f"{'vis/txt/bwd/opt ms':>22} {'TFLOP/s':>8} {'MFU':>6} {'pad':>5} {'mem GiB':>8}"
+        f"{'backend':<8} {'kernels':<29} {'model':<11} {'tune':<4} {'mode':<6} {'rows x len':>11} {'real tok/s':>10} "
+        f"{'step ms':>8} {'vis/txt/bwd/opt ms':>22} {'TFLOP/s':>8} {'MFU':>6} {'pad':>5} {'mem GiB':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -279,8 +330,9 @@ def format_rows(rows: list[dict]) -> str:
         m = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
         lines.append(
-            f"{r['backend']:<8} {r['kernels']:<20} {r.get('tuning', 'full'):<4} {r['mode']:<6} {r['rows_x_len']:>11} "
-            f"{r['real_tok_s']:>10.0f} {r['step_ms']:>8.1f} {split:>22} {r['useful_tflop_s']:>8.1f} {m:>6} {r['padding_fraction']:>5.2f} {mem:>8}"
+            f"{r['backend']:<8} {r['kernels']:<29} {r.get('model', '0.8B'):<11} {r.get('tuning', 'full'):<4} "
+            f"{r['mode']:<6} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} {r['step_ms']:>8.1f} {split:>22} "
+            f"{r['useful_tflop_s']:>8.1f} {m:>6} {r['padding_fraction']:>5.2f} {mem:>8}"
         )
     return "\n".join(lines)
 

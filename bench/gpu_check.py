@@ -19,7 +19,8 @@ mostly imports, and the smoke runs in the test suite).
    steps. A second run resumes from that checkpoint into its own folder; its steps 16-30 are compared with the
    uninterrupted run's (``RESUME_RTOL``). Then ``final/`` is reloaded by ``Qwen3_5VLM`` and by transformers'
    ``Qwen3_5ForConditionalGeneration``, which score the same probe (``gpu_check_worker.py reload``).
-3. Throughput and MFU: ``bench/gpu_bench.py`` (packed vs padded, fastest vs pure-torch kernels, peak memory).
+3. Throughput and MFU: ``bench/gpu_bench.py`` (packed vs padded, fastest vs pure-torch kernels, a LoRA row, an MoE
+   row of the Qwen3.5-35B-A3B widths on 4 layers whose MFU counts the active experts, peak memory).
 
 Seven files go to ``--out`` (``OUT_FILES``): ``gpu_check.json`` (every figure, the runs' metrics records and packing
 self-check reports included), ``summary.txt`` (the table printed at the end) and one log per part; by default

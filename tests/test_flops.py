@@ -1,11 +1,15 @@
 """The FLOP model: hand-computed counts on the tiny config, the real modules' weights, packed vs padded accounting,
-per-segment attention, per-image vision attention, and the MFU peak table."""
+per-segment attention, per-image vision attention, the MoE MLP's active experts (by hand, against the modules'
+weights and against FLOPs measured by ``torch.utils.flop_counter`` on the tiny MoE model), and the MFU peak table."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pack import make_packer, pack_stream
@@ -22,17 +26,22 @@ from vlm_sft.flops import (
     linear_attention_flops,
     lm_head_flops_per_token,
     mfu,
+    mlp_flops_per_token,
     peak_flops,
     peak_for_name,
     qwen3_5_0_8b_config,
+    qwen3_5_35b_a3b_config,
     real_segment_lengths,
     vision_flops,
 )
+from vlm_sft.model import build_model
 from vlm_sft.model.backends import resolve_backends
-from vlm_sft.model.presets import tiny_qwen3_5_config
+from vlm_sft.model.moe import Experts, TopKRouter
+from vlm_sft.model.presets import tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 from vlm_sft.model.vlm import Qwen3_5VLM
 
 TINY = tiny_qwen3_5_config()
+TINY_MOE = tiny_qwen3_5_moe_config()  # TINY's layers and widths; 4 experts of 32, top 2, shared expert of 64
 
 
 def _meta_model(config) -> Qwen3_5VLM:
@@ -69,6 +78,80 @@ def test_per_token_counts_are_twice_the_weights_of_the_real_modules(config):
 def test_0_8b_shape_has_0_8b_parameters():
     params = sum(p.numel() for p in _meta_model(qwen3_5_0_8b_config()).parameters())  # tied embeddings count once
     assert 0.80e9 < params < 0.90e9
+
+
+# ------------------------------------------------------------------------------------------------ MoE MLP
+
+
+def test_tiny_moe_per_token_counts_by_hand():
+    # TINY's attention and GatedDeltaNet layers (as above); each MLP a router over 4 experts, the top 2 experts of
+    # width 32, a shared expert of width 64 and its one-output gate.
+    gdn_layer, attn_layer = 16896, 16384
+    router, routed, shared, gate = 64 * 4, 2 * 3 * 64 * 32, 3 * 64 * 64, 64
+    moe_layer = router + routed + shared + gate  # 24896, where all 4 experts would be 37184
+    assert mlp_flops_per_token(TINY_MOE.text_config) == 2 * moe_layer
+    assert dense_flops_per_token(TINY_MOE.text_config) == 2 * (3 * gdn_layer + attn_layer + 4 * moe_layer) == 333_312
+    assert lm_head_flops_per_token(TINY_MOE.text_config) == lm_head_flops_per_token(TINY.text_config)
+    assert mlp_flops_per_token(TINY.text_config) == 2 * 3 * 64 * 128  # dense configs unchanged
+
+
+def test_more_experts_at_the_same_top_k_only_add_router_work():
+    """Doubling E at fixed k adds the router's ``2 D E`` and nothing else; counting all experts would add E more."""
+    layers, d = 4, 64
+    four = dense_flops_per_token(tiny_qwen3_5_moe_config(num_experts=4).text_config)
+    eight = dense_flops_per_token(tiny_qwen3_5_moe_config(num_experts=8).text_config)
+    assert eight - four == layers * 2 * d * 4
+    top3 = dense_flops_per_token(tiny_qwen3_5_moe_config(num_experts=4, num_experts_per_tok=3).text_config)
+    assert top3 - four == layers * 2 * 3 * d * 32  # one more routed expert per token: its SwiGLU, per layer
+
+
+@pytest.mark.parametrize("config", [TINY_MOE, qwen3_5_35b_a3b_config()], ids=["tiny", "35B-A3B"])
+def test_moe_per_token_counts_are_twice_the_active_weights_of_the_real_modules(config):
+    """2 FLOPs per weight of every projection, the router and the shared expert, but only k / E of the experts."""
+    text_cfg = config.text_config
+    text = _meta_model(config).model.language_model
+    linear = sum(m.weight.numel() for m in text.modules() if isinstance(m, nn.Linear))  # shared experts, gates
+    router = sum(m.weight.numel() for m in text.modules() if isinstance(m, TopKRouter))
+    experts = sum(p.numel() for m in text.modules() if isinstance(m, Experts) for p in m.parameters())
+    active = experts * text_cfg.num_experts_per_tok // text_cfg.num_experts
+    assert dense_flops_per_token(text_cfg) == 2 * (linear + router + active)
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape, **kwargs) -> int:
+    """torch's FLOP counter has no ``_grouped_mm`` formula. The experts' ``[N, K] x [E, K, F] -> [N, F]`` (row groups
+    by offsets) is 2 N K F for any grouping: it counts the routed slots the kernel was given, never ``E`` experts."""
+    assert len(a_shape) == 2 and len(b_shape) == 3, (a_shape, b_shape)
+    return 2 * a_shape[0] * a_shape[1] * out_shape[-1]
+
+
+@pytest.mark.parametrize("experts_impl", ["sorted", "grouped_mm"])
+def test_moe_mlp_flops_equal_the_flops_measured_on_the_tiny_moe_model(experts_impl):
+    """torch's FLOP counter on the real forward: the MoE blocks do exactly T tokens x the active count (the sorted
+    path's per-expert ``mm`` by torch's own formulas; the grouped path's ``_grouped_mm`` by ``_grouped_mm_flops``)."""
+    model = build_model(TINY_MOE, experts_impl=experts_impl).eval()
+    batch = _batch("bfd")
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops})
+    with torch.no_grad(), counter:
+        model(**batch.model_kwargs())
+    per_module = counter.get_flop_counts()
+    blocks = [name for name in per_module if re.fullmatch(r".*\.layers\.\d+\.mlp", name)]
+    assert len(blocks) == TINY_MOE.text_config.num_hidden_layers
+    measured = sum(sum(per_module[name].values()) for name in blocks)
+    tokens = batch.input_ids.numel()  # the model runs every slot of the row, padding included
+    assert measured == tokens * TINY_MOE.text_config.num_hidden_layers * mlp_flops_per_token(TINY_MOE.text_config)
+
+
+def test_35b_a3b_shape_has_35b_parameters_3b_active():
+    config = qwen3_5_35b_a3b_config()
+    model = _meta_model(config)
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    text = config.text_config
+    active_text = total - experts + experts * text.num_experts_per_tok // text.num_experts
+    active_text -= sum(p.numel() for p in model.model.visual.parameters())
+    active_text -= model.model.language_model.embed_tokens.weight.numel()  # a lookup, no FLOPs
+    assert 34.5e9 < total < 36e9 and 2.8e9 < active_text < 3.2e9
+    assert qwen3_5_35b_a3b_config(4).text_config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
 
 
 # ------------------------------------------------------------------------------------------------ token mixing

@@ -84,6 +84,8 @@ def test_throughput_rows(smoke):
     bench = smoke[0]["bench"]
     assert bench["complete"] and {r["mode"] for r in bench["rows"]} == {"bfd", "stack"}  # packed and padded
     assert all(r["real_tok_s"] > 0 and r["steps"] == 1 for r in bench["rows"])
+    moe = [r for r in bench["rows"] if r["model"] == "35B-A3B/4L"]  # the MoE row: 4 layers of the 35B-A3B shape
+    assert len(moe) == 1 and moe[0]["mode"] == "bfd" and moe[0]["useful_tflop_s"] > 0
 
 
 def _steps(losses: dict[int, float], changes: dict[int, dict] | None = None) -> list[dict]:

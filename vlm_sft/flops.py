@@ -11,6 +11,12 @@ not counted, as in the common MFU accounting):
 - **Text, per token**: every projection of every layer (full attention: q with its output gate, k, v, o; GatedDeltaNet:
   in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj), the MLP (gate, up, down), the depthwise short conv
   (``2 * W`` per channel), and the LM head (``2 * D * V``, computed for every real token, as the chunked loss does).
+- **MoE MLP, per token** (Qwen3.5-MoE, ``moe.SparseMoeBlock``): the router (``2 * D * E``: every token scores every
+  expert), the ``k`` experts the token is routed to (``k * 2 * 3 * D * I_e``), the shared expert (``2 * 3 * D * I_s``)
+  and its sigmoid gate (``2 * D``). Never all ``E`` experts: the other ``E - k`` hold weights but do no work for the
+  token, and the sorted / grouped expert kernels run exactly the ``T * k`` routed token slots (no capacity padding,
+  no dropped tokens). Counting all experts would put the 35B-A3B shape at 68.3 GFLOP per token instead of 5.9
+  (projections, MLPs, conv and LM head, forward) and inflate its MFU 11.6-fold.
 - **Full attention, per segment** of ``s`` tokens: causal, only the ``s (s + 1) / 2`` query-key pairs that exist,
   times ``4 * heads * head_dim`` (scores and weighted values); never ``L^2`` of the row.
 - **GatedDeltaNet, per segment**: the chunked algorithm with chunks of ``GDN_CHUNK`` tokens (the last one partial);
@@ -27,7 +33,8 @@ not counted, as in the common MFU accounting):
   tokens and real segments only; ``count_padding=True`` counts what the kernels run: padded ``stack`` rows as whole
   ``L``-token segments, the padding segment of a packed row, and the dummy image of a batch without images.
 
-Legend: D hidden, I MLP width, V vocabulary, K / V key / value head dims, W conv width, s segment length, n patches.
+Legend: D hidden, I MLP width, V vocabulary, K / V key / value head dims, W conv width, s segment length, n patches;
+MoE: E experts, k experts per token, I_e routed-expert width, I_s shared-expert width.
 """
 
 from __future__ import annotations
@@ -38,9 +45,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import Qwen3_5Config
+from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from vlm_sft.data.batch import PackedBatch
+from vlm_sft.model.moe import is_moe_text_config
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +73,7 @@ class FlopCount:
     """Forward FLOPs of one batch by part; ``train`` applies the forward x 3 convention (module docstring)."""
 
     dense: float
-    """Text projections and MLPs of every layer over the counted tokens."""
+    """Text projections and MLPs of every layer over the counted tokens (MoE: router, active experts, shared expert)."""
     attention: float
     """Full-attention scores and weighted values, causal, per segment."""
     linear_attention: float
@@ -120,7 +128,10 @@ def _head_dim(text) -> int:
 
 
 def dense_flops_per_token(text) -> float:
-    """Forward FLOPs of every text projection and MLP for one token (not the LM head, conv or token mixing)."""
+    """Forward FLOPs of every text projection and MLP for one token (not the LM head, conv or token mixing).
+
+    The MLP term is ``mlp_flops_per_token``: for an MoE text config, the active experts only.
+    """
     d = text.hidden_size
     n_linear, n_full = _layer_counts(text)
     key_dim = text.linear_num_key_heads * text.linear_key_head_dim
@@ -129,8 +140,20 @@ def dense_flops_per_token(text) -> float:
     hd = _head_dim(text)
     q_out = text.num_attention_heads * hd
     attn = d * 2 * q_out + 2 * d * text.num_key_value_heads * hd + q_out * d  # q (+ gate), k, v, o
-    mlp = 3 * d * text.intermediate_size
-    return 2.0 * (n_linear * gdn + n_full * attn + text.num_hidden_layers * mlp)
+    return 2.0 * (n_linear * gdn + n_full * attn) + text.num_hidden_layers * mlp_flops_per_token(text)
+
+
+def mlp_flops_per_token(text) -> float:
+    """Forward FLOPs of one layer's MLP for one token: the dense SwiGLU (``2 * 3 * D * I``), or for a Qwen3.5-MoE text
+    config the work the token actually causes: router ``2 * D * E``, its ``k`` routed experts ``k * 2 * 3 * D * I_e``,
+    the shared expert ``2 * 3 * D * I_s`` and the shared expert's gate ``2 * D`` (module docstring: never all E)."""
+    d = text.hidden_size
+    if not is_moe_text_config(text):
+        return 2.0 * 3 * d * text.intermediate_size
+    router = d * text.num_experts
+    routed = text.num_experts_per_tok * 3 * d * text.moe_intermediate_size
+    shared = 3 * d * text.shared_expert_intermediate_size + d  # SwiGLU + its one-output sigmoid gate
+    return 2.0 * (router + routed + shared)
 
 
 def conv_flops_per_token(text) -> float:
@@ -232,7 +255,7 @@ def executed_segment_lengths(batch: PackedBatch) -> list[int]:
 
 
 def batch_flops(
-    batch: PackedBatch, config: Qwen3_5Config, *, vision_trainable: bool, count_padding: bool = False
+    batch: PackedBatch, config: Qwen3_5Config | Qwen3_5MoeConfig, *, vision_trainable: bool, count_padding: bool = False
 ) -> FlopCount:
     """FLOPs of one micro-batch (module docstring); ``count_padding`` counts the executed work instead of the useful."""
     text, vision = config.text_config, config.vision_config
@@ -348,4 +371,70 @@ def qwen3_5_0_8b_config() -> Qwen3_5Config:
         vision_start_token_id=248053,
         vision_end_token_id=248054,
         tie_word_embeddings=True,
+    )
+
+
+def qwen3_5_35b_a3b_config(num_hidden_layers: int = 40) -> Qwen3_5MoeConfig:
+    """The shape of ``Qwen/Qwen3.5-35B-A3B`` (its public ``config.json``, written out here: nothing is downloaded).
+
+    Text: hidden 2048, 40 layers (3 GatedDeltaNet : 1 full attention), 16 query / 2 kv heads of 256 with an output
+    gate, partial rotary 0.25 with interleaved MRoPE [11, 11, 10] (theta 1e7), GatedDeltaNet 16 key and 32 value heads
+    of 128, conv 4, vocabulary 248320, untied embeddings; every MLP a sparse MoE block of 256 experts of width 512,
+    top-8 routing, plus one shared expert of width 512 with its sigmoid gate. Vision: 27 blocks of hidden 1152 (16
+    heads, MLP 4304), patch 16, temporal patch 2, merge 2, output 2048. About 35B parameters, 3B active per token.
+
+    ``num_hidden_layers`` keeps the first layers of the 3:1 pattern at the real widths (``bench/gpu_bench.py``'s MoE
+    row: 4 layers fit one GPU with AdamW). transformers' ``Qwen3_5MoeConfig()`` defaults have the same text widths
+    but not the checkpoint's rotary theta, context length, MRoPE sections or vision output width, hence written out.
+    """
+    text_config = {
+        "vocab_size": 248320,
+        "hidden_size": 2048,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "router_aux_loss_coef": 0.001,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "pad_token_id": 248044,
+        "eos_token_id": 248044,
+    }
+    vision_config = {
+        "depth": 27,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_heads": 16,
+        "in_channels": 3,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": 2048,
+        "num_position_embeddings": 2304,
+    }
+    return Qwen3_5MoeConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=248056,
+        video_token_id=248057,
+        vision_start_token_id=248053,
+        vision_end_token_id=248054,
+        tie_word_embeddings=False,
     )
