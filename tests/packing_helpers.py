@@ -106,3 +106,36 @@ def max_delta_per_sample(packed_logits: torch.Tensor, samples: list[dict], model
         worst = max(worst, float((packed_logits[0, start : start + n] - alone(model, s)).abs().max()))
         start += n
     return worst
+
+
+def packed_batch(cfg: Qwen3_5Config, rows: list[list[dict]], length: int):
+    """A ``PackedBatch`` of ``rows`` (each a list of samples as ``make_sample`` returns), every row padded to
+    ``length`` with its own padding segment; dataset indices number the samples in order."""
+    from vlm_sft.data.batch import PackedBatch
+
+    segments, seq_lens, indices, index = [], [], [], 0
+    for row in rows:
+        n = sum(len(s["input_ids"]) for s in row)
+        assert n <= length, (n, length)
+        pad = [] if n == length else [padding_segment(cfg, length - n)]
+        segments.append(row + pad)
+        seq_lens += [len(s["input_ids"]) for s in row + pad]
+        indices.append(tuple(range(index, index + len(row))))
+        index += len(row)
+    flat = [s for row in segments for s in row]
+    images = [s for s in flat if s["pixel_values"] is not None]
+    cat = lambda key: torch.cat([s[key] for s in flat]).view(len(rows), length)  # noqa: E731
+    loss_mask = cat("loss_mask")
+    return PackedBatch(
+        input_ids=cat("input_ids"),
+        target_ids=cat("target_ids"),
+        loss_mask=loss_mask,
+        position_ids=torch.cat([s["position_ids"] for s in flat], dim=1).view(3, len(rows), length),
+        seq_lens=torch.tensor(seq_lens),
+        pixel_values=torch.cat([s["pixel_values"] for s in images]) if images else None,
+        image_grid_thw=torch.cat([s["image_grid_thw"] for s in images]) if images else None,
+        mm_token_type_ids=cat("mm_token_type_ids"),
+        num_trainable_tokens=int(loss_mask.sum()),
+        num_real_tokens=sum(len(s["input_ids"]) for row in rows for s in row),
+        sample_indices=tuple(indices),
+    )

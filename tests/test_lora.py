@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from train_helpers import Background, read_metrics, run_training, tiny_run_args
+from train_helpers import LEARNING_CHECK, Background, read_metrics, run_training, tiny_run_args
 
 from vlm_sft.config import ConfigError, load_config
 from vlm_sft.trainer import build
@@ -257,10 +257,6 @@ def test_lora_runs_train_only_adapters_match_across_ranks_and_resume_exactly(tmp
     _assert_adapter_and_merged_written(one / "run" / "final")
     _assert_close(_adapter(one / "run"), _adapter(two / "run"), 1e-5)
     _assert_close(_adapter(one / "run"), _adapter(victim / "run"), 0.0)
-
-
-LEARNING_CHECK = "VLM_SFT_LEARNING_CHECKS"
-"""Set to 1 to run the learning check (about 4 minutes on 2 CPU cores, a quarter of the suite's budget)."""
 
 
 @pytest.mark.skipif(not os.environ.get(LEARNING_CHECK), reason=f"learning check: set {LEARNING_CHECK}=1 (~4 min)")

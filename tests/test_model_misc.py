@@ -65,7 +65,7 @@ def test_text_only_batch_gives_trainable_tower_zero_grads_and_same_loss(cfg):
     with torch.no_grad():
         lm = model.model.language_model
         pos = torch.arange(20).repeat(2).expand(3, -1)
-        hidden = lm(lm.embed_tokens(ids.reshape(-1)), pos, Segments.from_lengths([20, 20]), model.backends)
+        hidden, _ = lm(lm.embed_tokens(ids.reshape(-1)), pos, Segments.from_lengths([20, 20]), model.backends)
         targets = _targets(ids).reshape(-1)
         expected, _ = chunked_cross_entropy(hidden, model.lm_head.weight, targets, targets >= 0)
     assert float(loss_sum.detach()) == float(expected)

@@ -121,3 +121,12 @@ def test_packed_logits_equal_each_sample_alone_and_differ_without_seq_lens(cfg, 
     seq_lens = torch.tensor([len(s["input_ids"]) for s in samples])
     assert max_delta_per_sample(model(**packed_row(samples), seq_lens=seq_lens), samples, model) <= TOL
     assert max_delta_per_sample(model(**packed_row(samples)), samples, model) > 1e3 * TOL
+
+
+def test_grouped_mm_widths_are_checked_at_build():
+    """``torch._grouped_mm`` needs 16-byte row strides: an expert width that is no multiple of 8 (bf16) fails when
+    the model is built, naming the fix, not at its first forward; ``sorted`` takes any width."""
+    odd = tiny_qwen3_5_moe_config(moe_intermediate_size=36)
+    with pytest.raises(ValueError, match="experts_impl='sorted'"):
+        build_model(odd, experts_impl="grouped_mm")
+    assert build_model(odd, experts_impl="sorted").backends.experts == "sorted"

@@ -11,8 +11,8 @@ from torch import nn
 from train_helpers import tiny_run_args
 
 from vlm_sft.config import load_config
-from vlm_sft.trainer.loop import STEP_SECTIONS, step_breakdown, train
-from vlm_sft.trainer.metrics import ModuleTimer, StepTimer
+from vlm_sft.trainer.loop import train
+from vlm_sft.trainer.metrics import STEP_SECTIONS, ModuleTimer, StepTimer, step_breakdown
 
 BREAKDOWN_KEYS = ("data_s", "vision_s", "text_forward_s", "forward_s", "backward_s", "optimizer_s", "step_time_s")
 

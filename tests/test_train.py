@@ -143,10 +143,15 @@ def _text_row() -> dict:
     return {"messages": [{"role": "user", "content": filler}, {"role": "assistant", "content": "Shapes have colours."}]}
 
 
-def test_mixed_modalities_across_ranks_finish(tmp_path):
+MOE = {"model.name_or_path": "tiny-moe", "model.router_aux_loss_coef": 0.05}
+"""The MoE preset with the load-balancing loss on: each step also sums the routers' counts over the ranks."""
+
+
+@pytest.mark.parametrize("model", [{}, MOE], ids=["dense", "moe"])
+def test_mixed_modalities_across_ranks_finish(tmp_path, model):
     """Rank 0 and rank 1 get micro-batches with different image counts: none at all on rank 0 in steps 1-2 (text
     only vs one image), two vs one in steps 3-4. The vision tower still runs in step on both, so FSDP's collectives
-    match and the run finishes instead of hanging."""
+    match and the run finishes instead of hanging (for the MoE model too, whose ranks route different tokens)."""
     images = [(0, 1), (0, 1), (2, 1), (2, 1)]  # (rank 0, rank 1) per step
     rows = []
     for step, pair in enumerate(images):
@@ -163,6 +168,7 @@ def test_mixed_modalities_across_ranks_finish(tmp_path):
             "data.seq_len": 128,
             "data.pack_len": 128,
             "train.max_steps": len(images),
+            **model,
         },
     )
     run_training(args, nproc=2, timeout=120)

@@ -14,6 +14,9 @@ from pathlib import Path
 from vlm_sft.config import REPO_ROOT
 
 TRAIN_SCRIPT = str(REPO_ROOT / "vlm_sft" / "train.py")
+LEARNING_CHECK = "VLM_SFT_LEARNING_CHECKS"
+"""Set to 1 to run the learning checks (default-size runs of about 4 minutes each on 2 CPU cores; the suite's
+budget has no room for them)."""
 
 
 def tiny_run_args(tmp: Path, **overrides: object) -> list[str]:

@@ -23,6 +23,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "debug.toml"
 TINY_MODEL = "tiny"
 """``model.name_or_path`` value that builds the offline tiny Qwen3.5 preset instead of loading a checkpoint."""
+TINY_MOE_MODEL = "tiny-moe"
+"""``model.name_or_path`` value for the offline tiny Qwen3.5-MoE preset (4 experts, top-2, a shared expert)."""
+TINY_MODELS = (TINY_MODEL, TINY_MOE_MODEL)
+"""The random-init presets (the shipped tiny processor, no checkpoint)."""
 SHAPES_DATASET = "shapes"
 """``data.source`` value that selects the embedded, generated shapes dataset."""
 DEFAULT_WARMUP_STEPS = 50
@@ -110,7 +114,8 @@ class LoraSettings(_Section):
 
 class ModelConfig(_Section):
     name_or_path: str = TINY_MODEL
-    """``tiny`` (offline preset), a local HF checkpoint directory, or a hub id such as ``Qwen/Qwen3.5-0.8B``."""
+    """``tiny`` / ``tiny-moe`` (offline presets), a local HF checkpoint directory, or a hub id such as
+    ``Qwen/Qwen3.5-0.8B`` or ``Qwen/Qwen3.5-35B-A3B`` (dense or MoE: the checkpoint's config decides)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype. bfloat16 (CUDA only): fp32 master weights, gradients and AdamW state; layers compute in bf16
     through FSDP2 mixed precision (gradients reduced in fp32)."""
@@ -120,12 +125,19 @@ class ModelConfig(_Section):
     """GatedDeltaNet and short-conv backend; ``fla`` needs flash-linear-attention on CUDA."""
     loss_impl: Literal["auto", "fla_fused", "chunked"] = "auto"
     """Cross-entropy backend; both avoid materializing full fp32 logits."""
+    experts_impl: Literal["auto", "sorted", "grouped_mm"] = "auto"
+    """MoE models: routed-expert compute; ``sorted`` (one matmul per active expert, any device) or ``grouped_mm``
+    (``torch._grouped_mm``); both exact, no token ever dropped."""
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """MoE models: weight of the load-balancing loss, defined on the whole optimizer step (every micro-batch and
+    rank), added to the per-token mean loss; None: the checkpoint's ``router_aux_loss_coef``; 0 turns it off."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward to save activation memory."""
     initializer_range: float | None = None
-    """Only for ``tiny``: std of the random init (0.08 learns fastest on the shapes task; see measured facts)."""
+    """Only for ``tiny`` / ``tiny-moe``: std of the random init (0.08 learns fastest on the shapes task; see
+    measured facts)."""
     hidden_size: int = 64
-    """Only for ``tiny``: text and vision hidden size."""
+    """Only for ``tiny`` / ``tiny-moe``: text and vision hidden size."""
     vlm: VLMConfig | None = None
     """Vision settings; required when the dataset has images (``[model.vlm]`` in TOML)."""
     lora: LoraSettings | None = None
@@ -300,7 +312,7 @@ class RunConfig(_Section):
                 "trained fully or not at all, never half-adapted); set model.vlm.freeze_vision = true, or remove "
                 "[model.lora] for a full fine-tune"
             )
-        if m.name_or_path != TINY_MODEL and m.initializer_range is not None:
+        if m.name_or_path not in TINY_MODELS and m.initializer_range is not None:
             raise ConfigError(
                 f"model.initializer_range only applies to the tiny preset, not to {m.name_or_path!r}; remove it"
             )

@@ -118,6 +118,20 @@ class PackedBatch:
         segs = torch.stack([real, length - real], dim=1).reshape(-1)
         return segs[segs > 0]
 
+    def real_mask(self) -> torch.Tensor:
+        """``[B, L]`` bool on the batch's device, True on tokens that belong to a sample (padding False).
+
+        Rows hold their samples first and padding last, so row ``r``'s real tokens are the sum of its first
+        ``len(sample_indices[r])`` segments (``row_segments``); built on the CPU from ``seq_lens`` (no device
+        read), then copied.
+        """
+        if self.attention_mask is not None:
+            return self.attention_mask
+        rows, length = self.shape
+        real = [sum(e - s for s, e, index in self.row_segments(row) if index is not None) for row in range(rows)]
+        mask = torch.arange(length)[None, :] < torch.tensor(real)[:, None]
+        return mask.to(self.input_ids.device, non_blocking=True)
+
     def row_segments(self, row: int) -> list[tuple[int, int, int | None]]:
         """``(start, end, dataset index or None for padding)`` of every segment of ``row``, in order.
 

@@ -197,8 +197,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (GatedDeltaNet or gated attention) then MLP.
 
     ``mlp`` None builds the dense SwiGLU ``MLP`` of ``Qwen3_5TextConfig``; the MoE text decoder passes its
-    ``moe.SparseMoeBlock`` instead (``moe_mlp=True``), whose ``(y, router_logits)`` output is unpacked here. The
-    router logits are dropped for now: the batch-global load-balancing loss that needs them is not wired in yet.
+    ``moe.SparseMoeBlock`` instead (``moe_mlp=True``). The layer returns ``(x_TD, router_logits_TE)``, the logits
+    None for a dense layer: the decoder collects them for the router statistics (``load_balance``).
     """
 
     def __init__(self, config: Qwen3_5TextConfig, layer_idx: int, mlp: nn.Module | None = None) -> None:
@@ -223,7 +223,7 @@ class DecoderLayer(nn.Module):
         sin_TR: torch.Tensor,
         segments: Segments,
         backends: Backends,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h_TD = self.input_layernorm(x_TD)
         if self.layer_type == "linear_attention":
             h_TD = self.linear_attn(h_TD, segments, backends)
@@ -231,9 +231,9 @@ class DecoderLayer(nn.Module):
             h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends)
         x_TD = x_TD + h_TD
         if self.moe_mlp:
-            mlp_TD, _router_logits_TE = self.mlp(self.post_attention_layernorm(x_TD))
-            return x_TD + mlp_TD
-        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+            mlp_TD, router_logits_TE = self.mlp(self.post_attention_layernorm(x_TD), backends.experts)
+            return x_TD + mlp_TD, router_logits_TE
+        return x_TD + self.mlp(self.post_attention_layernorm(x_TD)), None
 
 
 @torch.no_grad()

@@ -49,6 +49,7 @@ from torch import nn
 
 from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.layers import MLP, GatedAttention, GatedDeltaNet, ShortConv
+from vlm_sft.model.moe import SparseMoeBlock
 from vlm_sft.model.noise_floor import (
     MIN_FLOOR_REL,
     Deviation,
@@ -85,8 +86,10 @@ OP_CLASSES: dict[str, type[nn.Module]] = {
     "linear_attention": GatedDeltaNet,
     "attention": GatedAttention,
     "mlp": MLP,
+    "moe": SparseMoeBlock,
 }
-"""Token-level op classes whose outputs (first dim = tokens) are compared segment by segment."""
+"""Token-level op classes whose outputs (first dim = tokens) are compared segment by segment (``moe``: the routed
+experts plus the shared expert, whose own ``MLP`` is also an ``mlp``)."""
 
 SampleDict = Mapping[str, torch.Tensor | None]
 """One sample: ``input_ids`` [T], ``target_ids`` [T], ``loss_mask`` [T], ``position_ids`` [3, T] (required);
@@ -120,8 +123,8 @@ class PackingReport:
     max_abs_delta: float
     """max |packed - alone| over every logit: the raw number a fixed tolerance would have judged."""
     ops: dict[str, Deviation] = field(default_factory=dict)
-    """Per op class (vision, conv, linear_attention, attention, mlp): the module with the largest ratio. Diagnostic:
-    it says where a leak starts; the verdict rests on logits and gradients."""
+    """Per op class (vision, conv, linear_attention, attention, mlp, moe): the module with the largest ratio.
+    Diagnostic: it says where a leak starts; the verdict rests on logits and gradients."""
 
     def format(self) -> str:
         """A table for logs and the CLI: floor, leak and ratio per op class, logits and gradients, then the verdict."""
@@ -150,7 +153,9 @@ def _ratio(r: float) -> str:
 
 def exact_backends(device: torch.device | str) -> Backends:
     """The pure-torch kernels, which compute in the dtype they are given (the reference's backends)."""
-    return resolve_backends(device, attn_impl="sdpa", linear_attn_impl="torch", loss_impl="chunked")
+    return resolve_backends(
+        device, attn_impl="sdpa", linear_attn_impl="torch", loss_impl="chunked", experts_impl="sorted"
+    )
 
 
 def reference_model(vlm: Qwen3_5VLM) -> Qwen3_5VLM:
@@ -253,6 +258,8 @@ class _OpRecorder:
 
     def _hook(self, key: str):
         def hook(_module: nn.Module, _args, output) -> None:
+            if isinstance(output, tuple):  # (y, router logits) of an MoE block; (hidden, logits) of the decoder
+                output = output[0]
             self.outputs[key] = getattr(output, "pooler_output", output).detach()
 
         return hook

@@ -50,12 +50,17 @@ class Qwen3_5TextDecoder(nn.Module):
         position_ids_3T: torch.Tensor,
         segments: Segments,
         backends: Backends,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(hidden_TD, router_logits)``: the final-normed hidden states, and each MoE layer's router logits
+        ``[T, E]`` in order (empty for the dense model)."""
         cos_TR, sin_TR = self.rotary_emb(position_ids_3T)
         h_TD = embeds_TD
+        router_logits: list[torch.Tensor] = []
         for layer in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h_TD = checkpoint(layer, h_TD, cos_TR, sin_TR, segments, backends, use_reentrant=False)
+                h_TD, logits_TE = checkpoint(layer, h_TD, cos_TR, sin_TR, segments, backends, use_reentrant=False)
             else:
-                h_TD = layer(h_TD, cos_TR, sin_TR, segments, backends)
-        return self.norm(h_TD)
+                h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends)
+            if logits_TE is not None:
+                router_logits.append(logits_TE)
+        return self.norm(h_TD), router_logits

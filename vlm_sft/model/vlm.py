@@ -34,8 +34,9 @@ from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.checkpoint_io import fuse_experts, load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
 from vlm_sft.model.layers import init_text_weights
+from vlm_sft.model.load_balance import RouterStats, router_stats
 from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
-from vlm_sft.model.moe import init_moe_weights, is_moe_text_config
+from vlm_sft.model.moe import check_grouped_mm_widths, init_moe_weights, is_moe_text_config
 from vlm_sft.model.text_model import Qwen3_5TextDecoder
 from vlm_sft.model.varlen import Segments
 
@@ -53,6 +54,8 @@ class LossOutput:
     """Scalar float32: sum of the token cross-entropies over ``loss_mask`` (normalize by the global count)."""
     num_tokens: torch.Tensor
     """Scalar: number of tokens in ``loss_mask`` (the loss op's count)."""
+    router: RouterStats | None = None
+    """MoE models: the forward's router sums over its real tokens (for the load-balancing loss and the metrics)."""
 
     def __iter__(self):
         return iter((self.loss_sum, self.num_tokens))
@@ -87,8 +90,10 @@ class Qwen3_5VLM(nn.Module):
         self.config = config
         self.backends = backends
         """The op implementations every forward uses (chosen once, by ``resolve_backends``)."""
-        self.model = _Qwen3_5Core(config)
         text = config.text_config
+        if is_moe_text_config(text) and backends.experts == "grouped_mm":  # fail at build, not at the first forward
+            check_grouped_mm_widths(text.hidden_size, text.moe_intermediate_size)
+        self.model = _Qwen3_5Core(config)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_weights()
         self.set_activation_checkpointing(activation_checkpointing)
@@ -132,7 +137,10 @@ class Qwen3_5VLM(nn.Module):
         target_ids: torch.Tensor | None = None,
         loss_mask: torch.Tensor | None = None,
         scores: bool = False,
-    ) -> torch.Tensor | LossOutput | TokenScores:
+        router_mask: torch.Tensor | None = None,
+        router_probs_grad: bool = False,
+        routing_only: bool = False,
+    ) -> torch.Tensor | LossOutput | TokenScores | RouterStats:
         """Logits ``[B, L, V]``; with ``target_ids``, ``LossOutput(loss_sum, num_tokens)``, or with ``scores=True``
         ``TokenScores`` (per-token loss and argmax, chunk by chunk: never the whole fp32 logits).
 
@@ -143,6 +151,11 @@ class Qwen3_5VLM(nn.Module):
         row. ``pixel_values`` ``[P, C*T*p*p]`` and ``image_grid_thw`` ``[N, 3]``: the images in the order of their
         slots in the flattened tokens; slots are where ``mm_token_type_ids == 1``. ``loss_mask`` (default:
         ``target_ids >= 0``) selects the tokens of the loss.
+
+        MoE models also report ``LossOutput.router`` (``load_balance.RouterStats``) over the tokens of
+        ``router_mask`` (``[B, L]`` bool, the real tokens: ``PackedBatch.real_mask``; None: every token), with the
+        router probabilities in the autograd graph when ``router_probs_grad``. ``routing_only=True`` returns just
+        those statistics and skips the LM head (the trainer's routing pre-pass).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
@@ -164,7 +177,12 @@ class Qwen3_5VLM(nn.Module):
         language_model = self.model.language_model
         embeds_TD = language_model.embed_tokens(input_ids.reshape(T))
         embeds_TD = self._merge_vision(embeds_TD, pixel_values, image_grid_thw, mm_T)
-        hidden_TD = language_model(embeds_TD, position_ids.reshape(3, T), segments, self.backends)
+        hidden_TD, router_logits = language_model(embeds_TD, position_ids.reshape(3, T), segments, self.backends)
+        router = self._router_stats(router_logits, router_mask, (B, L), router_probs_grad)
+        if routing_only:
+            if router is None:
+                raise ValueError("routing_only=True needs an MoE model (this one has no router)")
+            return router
         if target_ids is None:
             if scores:
                 raise ValueError("scores=True needs target_ids (and optionally loss_mask)")
@@ -181,7 +199,18 @@ class Qwen3_5VLM(nn.Module):
         loss_sum, count = chunked_cross_entropy(
             hidden_TD, self.lm_head.weight, target_ids.reshape(T), loss_mask.reshape(T), backend=self.backends.loss
         )
-        return LossOutput(loss_sum=loss_sum, num_tokens=count)
+        return LossOutput(loss_sum=loss_sum, num_tokens=count, router=router)
+
+    def _router_stats(
+        self, logits: list[torch.Tensor], mask: torch.Tensor | None, shape: tuple[int, int], probs_grad: bool
+    ) -> RouterStats | None:
+        if not logits:
+            return None
+        if mask is not None and tuple(mask.shape) != shape:
+            raise ValueError(f"router_mask shape {tuple(mask.shape)} != input_ids shape {shape}")
+        mask_T = None if mask is None else mask.reshape(-1)
+        top_k = self.config.text_config.num_experts_per_tok
+        return router_stats(logits, mask_T, top_k, probs_grad=probs_grad)
 
     @staticmethod
     def _segments(seq_lens: torch.Tensor | Sequence[int] | None, B: int, L: int, device: torch.device) -> Segments:
@@ -278,6 +307,7 @@ class Qwen3_5VLM(nn.Module):
         attn_impl: str = "auto",
         linear_attn_impl: str = "auto",
         loss_impl: str = "auto",
+        experts_impl: str = "auto",
         freeze_vision: bool = True,
         activation_checkpointing: bool = False,
         revision: str | None = None,
@@ -296,7 +326,10 @@ class Qwen3_5VLM(nn.Module):
         config = _load_config(path)
         dtype = torch.float32 if dtype is None else dtype
         device = torch.device(device if device is not None else "cpu")
-        backends = resolve_backends(device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl)
+        backends = resolve_backends(
+            device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl,
+            experts_impl=experts_impl,
+        )  # fmt: skip
         with torch.device("meta"):
             model = cls(
                 config, backends, freeze_vision=freeze_vision, activation_checkpointing=activation_checkpointing
@@ -361,6 +394,7 @@ def build_model(
     attn_impl: str = "auto",
     linear_attn_impl: str = "auto",
     loss_impl: str = "auto",
+    experts_impl: str = "auto",
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
     freeze_vision: bool = True,
@@ -371,7 +405,9 @@ def build_model(
     Backends are resolved for ``device`` (None: CPU); a backend named explicitly but unavailable raises here.
     """
     device = torch.device(device if device is not None else "cpu")
-    backends = resolve_backends(device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl)
+    backends = resolve_backends(
+        device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl, experts_impl=experts_impl
+    )
     model = Qwen3_5VLM(config, backends, freeze_vision=freeze_vision, activation_checkpointing=activation_checkpointing)
     std = config.text_config.initializer_range
     model.model.language_model.apply(lambda m: init_text_weights(m, std))

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen3_5Config
+from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from processors import load_processor, load_tiny_processor
 from renderers import RenderedSample, get_renderer
-from vlm_sft.config import SHAPES_DATASET, TINY_MODEL, ConfigError, RunConfig
+from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, TINY_MOE_MODEL, ConfigError, RunConfig
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.shapes import materialize_shapes
@@ -34,23 +34,22 @@ logger = logging.getLogger(__name__)
 
 
 def build_processor(cfg: RunConfig) -> Any:
-    """The tiny offline processor for ``tiny``, else the checkpoint's own (no torchvision needed)."""
-    if cfg.model.name_or_path == TINY_MODEL:
+    """The tiny offline processor for the tiny presets, else the checkpoint's own (no torchvision needed)."""
+    if cfg.model.name_or_path in TINY_MODELS:
         return load_tiny_processor()
     return load_processor(cfg.model.name_or_path)
 
 
-def build_model_config(cfg: RunConfig) -> Qwen3_5Config:
-    if cfg.model.name_or_path == TINY_MODEL:
-        from vlm_sft.model.presets import tiny_qwen3_5_config
+def tiny_model_config(cfg: RunConfig) -> Qwen3_5Config | Qwen3_5MoeConfig:
+    """The random-init preset ``model.name_or_path`` names (``tiny`` or ``tiny-moe``) at the config's widths."""
+    from vlm_sft.model.presets import tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 
-        kwargs = {"hidden_size": cfg.model.hidden_size, "vision_hidden_size": cfg.model.hidden_size}
-        if cfg.model.initializer_range is not None:
-            kwargs["initializer_range"] = cfg.model.initializer_range
-        return tiny_qwen3_5_config(**kwargs)
-    from vlm_sft.model.checkpoint_io import resolve_checkpoint_dir
-
-    return Qwen3_5Config.from_pretrained(resolve_checkpoint_dir(cfg.model.name_or_path))
+    kwargs = {"hidden_size": cfg.model.hidden_size, "vision_hidden_size": cfg.model.hidden_size}
+    if cfg.model.initializer_range is not None:
+        kwargs["initializer_range"] = cfg.model.initializer_range
+    if cfg.model.name_or_path == TINY_MOE_MODEL:
+        return tiny_qwen3_5_moe_config(**kwargs)
+    return tiny_qwen3_5_config(**kwargs)
 
 
 def build_renderer(cfg: RunConfig, processor: Any):
@@ -239,6 +238,7 @@ def build_model(cfg: RunConfig, device: torch.device):
         "attn_impl": m.attn_impl,
         "linear_attn_impl": m.linear_attn_impl,
         "loss_impl": m.loss_impl,
+        "experts_impl": m.experts_impl,
         "freeze_vision": freeze,
         "activation_checkpointing": m.activation_checkpointing,
         "device": device,
@@ -246,9 +246,9 @@ def build_model(cfg: RunConfig, device: torch.device):
     # bf16 runs keep fp32 master weights; FSDP2 mixed precision computes in bf16 (the trainer sets it up). A bf16
     # LoRA run loads its frozen base in bf16 (half the memory, the same bf16 compute) beside fp32 adapters.
     frozen_bf16 = m.lora is not None and m.dtype == "bfloat16"
-    if m.name_or_path == TINY_MODEL:
+    if m.name_or_path in TINY_MODELS:
         torch.manual_seed(cfg.train.seed)
-        model = build_random(build_model_config(cfg), dtype=torch.float32, **kwargs)
+        model = build_random(tiny_model_config(cfg), dtype=torch.float32, **kwargs)
     else:
         load_dtype = torch.bfloat16 if frozen_bf16 else torch.float32
         model = Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=load_dtype, **kwargs)

@@ -53,8 +53,9 @@ from vlm_sft.trainer.distributed import (
 )
 from vlm_sft.trainer.evaluate import evaluate
 from vlm_sft.trainer.export import export_final
-from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb
+from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb, step_breakdown
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
+from vlm_sft.trainer.router_balance import RouterBalance, StepRouting, routing_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,8 @@ class Run:
     step: int = 0
     compute_dtype: torch.dtype | None = None
     """bf16 for bf16 runs (FSDP's param dtype), None for fp32."""
+    balance: RouterBalance | None = None
+    """MoE runs: the step-global load-balancing loss and routing metrics (None: dense)."""
     timer: StepTimer = field(init=False)
     vision_timer: ModuleTimer = field(init=False)
 
@@ -128,6 +131,8 @@ class StepStats:
     """This rank's summed token loss (CPU float64 scalar; all-reduce it for the global loss)."""
     grad_norm: float
     sections: dict[str, float]
+    routing: torch.Tensor
+    """MoE runs: this rank's router sums of the step (``StepRouting.flat``, CPU); empty for a dense model."""
 
 
 # ------------------------------------------------------------------------------------------------------- set-up
@@ -163,6 +168,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         sources = build.load_sources(cfg)
     with all_ranks_or_none(env, "building the model"):
         model = build.build_model(cfg, env.device)
+        balance = RouterBalance.for_model(model, cfg.model.router_aux_loss_coef, log=env.is_main)
     pad_id = int(processor.tokenizer.pad_token_id)
     if cfg.train.check_packing:
         _self_check(cfg, env, out_dir, model, renderer, sources, pad_id)
@@ -197,7 +203,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     accounting = RunAccounting(out_dir, env, train_batches)
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
-        metrics, total_steps, step, compute_dtype,
+        metrics, total_steps, step, compute_dtype, balance,
     )  # fmt: skip
 
 
@@ -373,28 +379,39 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
     timer.mark("data_s")
     scale = env.world_size / max(step.trainable, 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    balance, routing = run.balance, StepRouting()
+    several = len(step.batches) > 1
+    step_counts = balance.prepass_counts(model, step.batches, env) if balance and balance.trains and several else None
     for i, batch in enumerate(step.batches):
         batch = batch.to(env.device)
         set_gradient_sync(model, run.cfg.train.grad_sync == "micro_batch" or i == len(step.batches) - 1)
-        out = model(**batch.model_kwargs())
+        out = model(**batch.model_kwargs(), **(balance.forward_kwargs(batch) if balance else {}))
         timer.mark("forward_s")
         timer.add("vision_s", run.vision_timer.take())
-        (out.loss_sum * scale).backward()
+        loss = out.loss_sum * scale
+        if balance is not None:
+            routing.add(out.router)
+            if balance.trains:
+                loss = loss + balance.aux_term(out.router, step_counts, step.real, env)
+        loss.backward()
         timer.mark("backward_s")
         loss_sum += out.loss_sum.detach()
     grad_norm = _clip(model, run.cfg.train.grad_clip)
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    loss_and_norm = torch.stack([loss_sum, grad_norm.double()]).cpu()  # the step's one read of the device
+    flat = torch.cat([torch.stack([loss_sum, grad_norm.double()]), routing.flat().to(env.device)])
+    flat = flat.cpu()  # the step's one read of the device
     timer.mark("optimizer_s")
-    return StepStats(loss_and_norm[0], float(loss_and_norm[1]), step_breakdown(timer.reset()))
+    return StepStats(flat[0], float(flat[1]), step_breakdown(timer.reset()), flat[2:])
 
 
 def _log_step(
     run: Run, step: StepBatches, stats: StepStats, window: dict, peak: float | None, data_counts: dict[str, int]
 ) -> None:
-    loss = float(all_reduce_sum(stats.loss_sum.reshape(1), run.env)) / max(step.trainable, 1)
+    totals = all_reduce_sum(torch.cat([stats.loss_sum.reshape(1), stats.routing]), run.env)
+    loss = float(totals[0]) / max(step.trainable, 1)
+    routing = routing_metrics(totals[1:], run.balance, step.real) if run.balance else {}
     lr = run.scheduler.get_last_lr()[0]
     wall = time.perf_counter() - window["start"]  # the window's wall time: steps, evals, saves, logging
     record = {
@@ -402,6 +419,7 @@ def _log_step(
         "loss": loss,
         "lr": run.optimizer.param_groups[0]["lr"],
         "grad_norm": stats.grad_norm,
+        **routing,
         "real_tokens": step.real,
         "trainable_tokens": step.trainable,
         "padding_fraction": 1.0 - step.real / max(step.capacity, 1),
@@ -420,26 +438,6 @@ def _log_step(
     with all_ranks_or_none(run.env, "writing the metrics"):
         run.metrics.advance(1, loss=loss, lr=lr, tok_s=step.real / max(stats.sections["step_time_s"], 1e-9))
         run.metrics.log(record)
-
-
-STEP_SECTIONS = ("data_s", "forward_s", "backward_s", "optimizer_s")
-"""The disjoint wall-clock sections of a step; they sum to ``step_time_s``."""
-
-
-def step_breakdown(sections: dict[str, float]) -> dict[str, float]:
-    """Where one step's time went, as logged in ``metrics.jsonl`` (seconds, this rank).
-
-    ``data_s`` (waiting for packs, collating, the step's all-reduce), ``forward_s`` = ``vision_s`` (the vision
-    tower) + ``text_forward_s`` (embedding, text decoder and the chunked loss, which also computes the LM head's
-    gradients), ``backward_s``, ``optimizer_s`` (clipping, AdamW, schedule); ``step_time_s`` is the sum of the four
-    disjoint sections. Synchronized on CUDA, so each section holds its own kernels.
-    """
-    out = {name: float(sections.get(name, 0.0)) for name in STEP_SECTIONS}
-    vision = float(sections.get("vision_s", 0.0))
-    out["vision_s"] = vision
-    out["text_forward_s"] = out["forward_s"] - vision
-    out["step_time_s"] = sum(out[name] for name in STEP_SECTIONS)
-    return out
 
 
 def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:

@@ -237,3 +237,23 @@ class ModuleTimer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+STEP_SECTIONS = ("data_s", "forward_s", "backward_s", "optimizer_s")
+"""The disjoint wall-clock sections of a step; they sum to ``step_time_s``."""
+
+
+def step_breakdown(sections: dict[str, float]) -> dict[str, float]:
+    """Where one step's time went, as logged in ``metrics.jsonl`` (seconds, this rank).
+
+    ``data_s`` (waiting for packs, collating, the step's all-reduce), ``forward_s`` = ``vision_s`` (the vision
+    tower) + ``text_forward_s`` (embedding, text decoder and the chunked loss, which also computes the LM head's
+    gradients), ``backward_s``, ``optimizer_s`` (clipping, AdamW, schedule); ``step_time_s`` is the sum of the four
+    disjoint sections. Synchronized on CUDA, so each section holds its own kernels.
+    """
+    out = {name: float(sections.get(name, 0.0)) for name in STEP_SECTIONS}
+    vision = float(sections.get("vision_s", 0.0))
+    out["vision_s"] = vision
+    out["text_forward_s"] = out["forward_s"] - vision
+    out["step_time_s"] = sum(out[name] for name in STEP_SECTIONS)
+    return out
