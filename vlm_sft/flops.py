@@ -317,6 +317,14 @@ def mfu(flops: float, seconds: float, peak: float | None, num_devices: int = 1) 
 # ------------------------------------------------------------------------------------------------ reference shape
 
 
+def _qwen3_5_text_common() -> dict:
+    """Text settings every released Qwen3.5 checkpoint shares (interleaved MRoPE over a quarter of each head, theta
+    1e7; the tokenizer's pad / end id); a fresh dict per call, since configs may rewrite their rope parameters."""
+    rope = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    rope |= {"mrope_section": [11, 11, 10], "mrope_interleaved": True}
+    return {"rope_parameters": rope, "pad_token_id": 248044, "eos_token_id": 248044}
+
+
 def qwen3_5_0_8b_config() -> Qwen3_5Config:
     """The shape of ``Qwen/Qwen3.5-0.8B`` (its public ``config.json``, written out here: nothing is downloaded).
 
@@ -341,15 +349,7 @@ def qwen3_5_0_8b_config() -> Qwen3_5Config:
         "max_position_embeddings": 262144,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": True,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        "pad_token_id": 248044,
-        "eos_token_id": 248044,
+        **_qwen3_5_text_common(),
     }
     vision_config = {
         "depth": 12,
@@ -407,15 +407,7 @@ def qwen3_5_35b_a3b_config(num_hidden_layers: int = 40) -> Qwen3_5MoeConfig:
         "max_position_embeddings": 262144,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_section": [11, 11, 10],
-            "mrope_interleaved": True,
-        },
-        "pad_token_id": 248044,
-        "eos_token_id": 248044,
+        **_qwen3_5_text_common(),
     }
     vision_config = {
         "depth": 27,
