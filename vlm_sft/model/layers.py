@@ -22,6 +22,7 @@ from transformers import Qwen3_5TextConfig
 
 from vlm_sft.model.attention import varlen_attention
 from vlm_sft.model.backends import Backends
+from vlm_sft.model.context_parallel import NO_CP, ContextParallel, kv_heads_layout, qkv_channels
 from vlm_sft.model.conv import causal_conv1d
 from vlm_sft.model.gdn import gated_delta_rule
 from vlm_sft.model.rotary import apply_partial_rotary
@@ -88,8 +89,15 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.zeros(channels)) if bias else None
 
-    def forward(self, x_TC: torch.Tensor, segments: Segments, backend: str) -> torch.Tensor:
-        return causal_conv1d(x_TC, self.weight.squeeze(1), self.bias, segments, backend=backend, activation="silu")
+    def forward(
+        self, x_TC: torch.Tensor, segments: Segments, backend: str, channels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``channels``: the indices of the channels ``x_TC`` holds (a context-parallel head shard); None: all."""
+        weight, bias = self.weight.squeeze(1), self.bias
+        if channels is not None:
+            weight = weight[channels.to(weight.device)]
+            bias = None if bias is None else bias[channels.to(bias.device)]
+        return causal_conv1d(x_TC, weight, bias, segments, backend=backend, activation="silu")
 
 
 class GatedDeltaNet(nn.Module):
@@ -127,26 +135,48 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
 
-    def forward(self, x_TD: torch.Tensor, segments: Segments, backends: Backends) -> torch.Tensor:
-        T = x_TD.shape[0]
-        qkv_TC = self.conv1d(self.in_proj_qkv(x_TD), segments, backends.conv)
-        q_TC, k_TC, v_TC = torch.split(qkv_TC, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q_THK = q_TC.reshape(T, self.num_k_heads, self.head_k_dim)
-        k_THK = k_TC.reshape(T, self.num_k_heads, self.head_k_dim)
-        v_THV = v_TC.reshape(T, self.num_v_heads, self.head_v_dim)
-        if self.num_v_heads != self.num_k_heads:
-            rep = self.num_v_heads // self.num_k_heads
-            q_THK = q_THK.repeat_interleave(rep, dim=1)
-            k_THK = k_THK.repeat_interleave(rep, dim=1)
-        beta_TH = self.in_proj_b(x_TD).sigmoid()
+    def forward(
+        self, x_TD: torch.Tensor, segments: Segments, backends: Backends, cp: ContextParallel = NO_CP
+    ) -> torch.Tensor:
+        """``x_TD``: this rank's tokens; under context parallelism (``cp``) the conv and the rule run on the whole
+        sequence for this rank's block of heads, between two all-to-alls (``context_parallel``)."""
+        t = x_TD.shape[0]
+        qkv_TC, b_TH, a_TH = self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
+        channels = None
+        if cp.active:
+            qkv_TC, b_TH, a_TH = self._to_head_shard(qkv_TC, b_TH, a_TH, cp)
+            channels = qkv_channels(self.key_dim, self.value_dim, cp.rank, cp.size)
+        T, n_k, n_v = qkv_TC.shape[0], self.num_k_heads // cp.size, self.num_v_heads // cp.size
+        qkv_TC = self.conv1d(qkv_TC, segments, backends.conv, channels)
+        q_TC, k_TC, v_TC = torch.split(qkv_TC, [n_k * self.head_k_dim] * 2 + [n_v * self.head_v_dim], dim=-1)
+        q_THK = q_TC.reshape(T, n_k, self.head_k_dim)
+        k_THK = k_TC.reshape(T, n_k, self.head_k_dim)
+        v_THV = v_TC.reshape(T, n_v, self.head_v_dim)
+        if n_v != n_k:
+            q_THK = q_THK.repeat_interleave(n_v // n_k, dim=1)
+            k_THK = k_THK.repeat_interleave(n_v // n_k, dim=1)
+        heads = slice(cp.rank * n_v, (cp.rank + 1) * n_v)
         # Log decay in float32: exp(A_log) of a bf16 A_log would be coarse, and fp16 overflows.
-        g_TH = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)
+        g_TH = -self.A_log[heads].float().exp() * F.softplus(a_TH.float() + self.dt_bias[heads])
         o_THV = gated_delta_rule(
-            q_THK, k_THK, v_THV, g_TH, beta_TH, segments, backend=backends.linear_attention, use_qk_l2norm=True
-        )
-        z_THV = self.in_proj_z(x_TD).reshape(T, self.num_v_heads, self.head_v_dim)
+            q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments, backend=backends.linear_attention,
+            use_qk_l2norm=True,
+        )  # fmt: skip
+        if cp.active:
+            o_THV = cp.heads_to_seq(o_THV)
+        z_THV = self.in_proj_z(x_TD).reshape(t, self.num_v_heads, self.head_v_dim)
         o_THV = self.norm(o_THV.reshape(-1, self.head_v_dim), z_THV.reshape(-1, self.head_v_dim))
-        return self.out_proj(o_THV.reshape(T, self.value_dim))
+        return self.out_proj(o_THV.reshape(t, self.value_dim))
+
+    def _to_head_shard(self, qkv_tC, b_tH, a_tH, cp: ContextParallel):
+        """One all-to-all for q, k, v (three channel blocks per rank), beta and the decay input."""
+        t, size = qkv_tC.shape[0], cp.size
+        order = torch.cat([qkv_channels(self.key_dim, self.value_dim, r, size) for r in range(size)])
+        parts = [qkv_tC[:, order.to(qkv_tC.device)].view(t, size, -1), b_tH.view(t, size, -1), a_tH.view(t, size, -1)]
+        widths = [p.shape[-1] for p in parts]
+        packed = cp.seq_to_heads(torch.cat([p.to(qkv_tC.dtype) for p in parts], dim=-1))  # [T, 1, sum(widths)]
+        qkv_TC, b_TH, a_TH = packed.squeeze(1).split(widths, dim=-1)
+        return qkv_TC, b_TH.to(b_tH.dtype), a_TH.to(a_tH.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -178,7 +208,10 @@ class GatedAttention(nn.Module):
         sin_TR: torch.Tensor,
         segments: Segments,
         backends: Backends,
+        cp: ContextParallel = NO_CP,
     ) -> torch.Tensor:
+        """``x_TD``: this rank's tokens; under context parallelism the attention runs on the whole sequence for
+        this rank's query heads (and their kv heads), between two all-to-alls (Ulysses)."""
         T = x_TD.shape[0]
         q_THD, gate_THD = self.q_proj(x_TD).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q_THD = apply_partial_rotary(self.q_norm(q_THD), cos_TR, sin_TR)
@@ -188,9 +221,25 @@ class GatedAttention(nn.Module):
         v_THD = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
         # Under autocast the rotated q/k come back in the projection dtype; give the kernel one dtype.
         k_THD, v_THD = k_THD.to(q_THD.dtype), v_THD.to(q_THD.dtype)
+        if cp.active:
+            q_THD, k_THD, v_THD = self._to_head_shard(q_THD, k_THD, v_THD, cp)
         o_THD = varlen_attention(q_THD, k_THD, v_THD, segments, scale=self.scaling, backend=backends.attention)
+        if cp.active:
+            o_THD = cp.heads_to_seq(o_THD)
         o_TD = o_THD.reshape(T, self.num_heads * self.head_dim) * torch.sigmoid(gate_THD.reshape(T, -1))
         return self.o_proj(o_TD)
+
+    def _to_head_shard(self, q_tHD, k_tHD, v_tHD, cp: ContextParallel):
+        """One all-to-all for q, k and v: a rank gets its block of query heads and the kv heads they read (kv
+        heads repeated first when ``cp`` exceeds them)."""
+        repeat = kv_heads_layout(self.num_kv_heads, cp.size)
+        if repeat > 1:
+            k_tHD, v_tHD = k_tHD.repeat_interleave(repeat, dim=1), v_tHD.repeat_interleave(repeat, dim=1)
+        t, size = q_tHD.shape[0], cp.size
+        n_q, n_kv = q_tHD.shape[1] // size, k_tHD.shape[1] // size
+        parts = [x.reshape(t, size, -1, self.head_dim) for x in (q_tHD, k_tHD, v_tHD)]
+        packed = cp.seq_to_heads(torch.cat(parts, dim=2).reshape(t, -1, self.head_dim))
+        return packed.split([n_q, n_kv, n_kv], dim=1)
 
 
 class DecoderLayer(nn.Module):
@@ -223,12 +272,13 @@ class DecoderLayer(nn.Module):
         sin_TR: torch.Tensor,
         segments: Segments,
         backends: Backends,
+        cp: ContextParallel = NO_CP,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h_TD = self.input_layernorm(x_TD)
         if self.layer_type == "linear_attention":
-            h_TD = self.linear_attn(h_TD, segments, backends)
+            h_TD = self.linear_attn(h_TD, segments, backends, cp)
         else:
-            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends)
+            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends, cp)
         x_TD = x_TD + h_TD
         if self.moe_mlp:
             mlp_TD, router_logits_TE = self.mlp(self.post_attention_layernorm(x_TD), backends.experts)

@@ -33,6 +33,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.checkpoint_io import fuse_experts, load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
+from vlm_sft.model.context_parallel import NO_CP, ContextParallel, check_heads, split_images
 from vlm_sft.model.layers import init_text_weights
 from vlm_sft.model.load_balance import RouterStats, router_stats
 from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
@@ -98,6 +99,8 @@ class Qwen3_5VLM(nn.Module):
         self.tie_weights()
         self.set_activation_checkpointing(activation_checkpointing)
         self.set_vision_trainable(not freeze_vision)
+        self.context_parallel = NO_CP
+        """Under context parallelism: this rank's CP group (``set_context_parallel``)."""
 
     # ----------------------------------------------------------------------------------------- configuration
 
@@ -113,6 +116,12 @@ class Qwen3_5VLM(nn.Module):
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each text decoder layer in backward (non-reentrant ``torch.utils.checkpoint``)."""
         self.model.language_model.activation_checkpointing = bool(enabled)
+
+    def set_context_parallel(self, cp: ContextParallel) -> None:
+        """Split every forward's row over ``cp``'s ranks (``context_parallel``): each computes the loss of its
+        ``1 / cp`` of the tokens. Refused, with the fix, when the head counts do not split over ``cp.size``."""
+        check_heads(self.config.text_config, cp.size)
+        self.context_parallel = cp
 
     def set_vision_trainable(self, trainable: bool) -> None:
         """Freeze (default) or unfreeze the whole vision tower."""
@@ -160,25 +169,20 @@ class Qwen3_5VLM(nn.Module):
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
         B, L = input_ids.shape
-        T = B * L
         segments = self._segments(seq_lens, B, L, input_ids.device)
-        if position_ids is None:
-            raise ValueError(
-                "position_ids is required: MRoPE positions are built on the CPU by the data pipeline "
-                "(PackedBatch.position_ids, or vlm_sft.data.mrope.sample_position_ids for one sample), never here"
-            )
-        if tuple(position_ids.shape) != (3, B, L):
-            raise ValueError(f"position_ids must be [3, B, L] = [3, {B}, {L}], got {tuple(position_ids.shape)}")
-        if mm_token_type_ids is not None and mm_token_type_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"mm_token_type_ids shape {tuple(mm_token_type_ids.shape)} != input_ids shape {tuple(input_ids.shape)}"
-            )
-        mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(T)
-        language_model = self.model.language_model
-        embeds_TD = language_model.embed_tokens(input_ids.reshape(T))
+        if loss_mask is None and target_ids is not None:
+            loss_mask = target_ids >= 0
+        _check_shapes(input_ids, position_ids, mm_token_type_ids, target_ids, loss_mask, router_mask)
+        cp = self.context_parallel
+        local = cp.shard if cp.active else (lambda x, dim=0: x)  # under CP: this rank's tokens of the row
+        mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(-1)
+        embeds_TD = self.model.language_model.embed_tokens(input_ids.reshape(-1))
         embeds_TD = self._merge_vision(embeds_TD, pixel_values, image_grid_thw, mm_T)
-        hidden_TD, router_logits = language_model(embeds_TD, position_ids.reshape(3, T), segments, self.backends)
-        router = self._router_stats(router_logits, router_mask, (B, L), router_probs_grad)
+        hidden_TD, router_logits = self.model.language_model(
+            local(embeds_TD), local(position_ids.reshape(3, -1), dim=1), segments, self.backends, cp
+        )
+        router_T = None if router_mask is None else local(router_mask.reshape(-1))
+        router = self._router_stats(router_logits, router_T, router_probs_grad)
         if routing_only:
             if router is None:
                 raise ValueError("routing_only=True needs an MoE model (this one has no router)")
@@ -186,29 +190,22 @@ class Qwen3_5VLM(nn.Module):
         if target_ids is None:
             if scores:
                 raise ValueError("scores=True needs target_ids (and optionally loss_mask)")
-            return self.lm_head(hidden_TD).view(B, L, -1)
-        if target_ids.shape != input_ids.shape:
-            raise ValueError(f"target_ids shape {tuple(target_ids.shape)} != input_ids shape {tuple(input_ids.shape)}")
-        if loss_mask is None:
-            loss_mask = target_ids >= 0
-        elif loss_mask.shape != input_ids.shape:
-            raise ValueError(f"loss_mask shape {tuple(loss_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            logits = self.lm_head(hidden_TD)
+            return logits if cp.active else logits.view(B, L, -1)
+        targets_T, mask_T = local(target_ids.reshape(-1)), local(loss_mask.reshape(-1))
         if scores:
-            nll_T, argmax_T = token_scores(hidden_TD, self.lm_head.weight, target_ids.reshape(T), loss_mask.reshape(T))
+            if cp.active:
+                raise NotImplementedError("scores=True under context parallelism: score with a model without it")
+            nll_T, argmax_T = token_scores(hidden_TD, self.lm_head.weight, targets_T, mask_T)
             return TokenScores(nll=nll_T.view(B, L), argmax=argmax_T.view(B, L))
         loss_sum, count = chunked_cross_entropy(
-            hidden_TD, self.lm_head.weight, target_ids.reshape(T), loss_mask.reshape(T), backend=self.backends.loss
+            hidden_TD, self.lm_head.weight, targets_T, mask_T, backend=self.backends.loss
         )
         return LossOutput(loss_sum=loss_sum, num_tokens=count, router=router)
 
-    def _router_stats(
-        self, logits: list[torch.Tensor], mask: torch.Tensor | None, shape: tuple[int, int], probs_grad: bool
-    ) -> RouterStats | None:
+    def _router_stats(self, logits: list[torch.Tensor], mask_T: torch.Tensor | None, probs_grad: bool):
         if not logits:
             return None
-        if mask is not None and tuple(mask.shape) != shape:
-            raise ValueError(f"router_mask shape {tuple(mask.shape)} != input_ids shape {shape}")
-        mask_T = None if mask is None else mask.reshape(-1)
         top_k = self.config.text_config.num_experts_per_tok
         return router_stats(logits, mask_T, top_k, probs_grad=probs_grad)
 
@@ -258,7 +255,10 @@ class Qwen3_5VLM(nn.Module):
             )
         pixel_values = pixel_values.to(visual.dtype)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.vision_trainable):
-            feats_ND = visual(pixel_values, grid_thw=image_grid_thw).pooler_output
+            if self.context_parallel.active and not dummy:
+                feats_ND = self._encode_share(pixel_values, image_grid_thw)
+            else:
+                feats_ND = visual(pixel_values, grid_thw=image_grid_thw).pooler_output
         feats_ND = feats_ND.to(embeds_TD.dtype)
         if dummy:
             if n_slots:
@@ -276,6 +276,25 @@ class Qwen3_5VLM(nn.Module):
             )
         slots = (mm_T == IMAGE_TOKEN_TYPE).nonzero().squeeze(1)
         return embeds_TD.index_put((slots,), feats_ND)
+
+    def _encode_share(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        """Context parallelism: this rank encodes its block of the images (``split_images``: at most its share of
+        the patches plus one image; a rank without one runs the dummy image, so every rank's tower runs) and the
+        features of all images are gathered in image order, gradients flowing back to their rank. Reads the grids
+        on the host once (the split needs the sizes)."""
+        cp, visual = self.context_parallel, self.model.visual
+        patches = image_grid_thw.prod(-1).tolist()
+        merge = self.config.vision_config.spatial_merge_size**2
+        blocks = split_images(patches, cp.size)
+        start, end = blocks[cp.rank]
+        first = sum(patches[:start])
+        if start == end:
+            grid, pixels = self._dummy_image(pixel_values.device)
+            local = visual(pixels.to(pixel_values.dtype), grid_thw=grid).pooler_output[:0]
+        else:
+            rows = pixel_values[first : first + sum(patches[start:end])]
+            local = visual(rows, grid_thw=image_grid_thw[start:end]).pooler_output
+        return cp.gather_rows(local, [sum(patches[a:b]) // merge for a, b in blocks])
 
     def _dummy_image(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest image the tower accepts (one merged token of zero pixels), for micro-batches without one."""
@@ -377,6 +396,24 @@ class Qwen3_5VLM(nn.Module):
         if self.tied_embeddings:
             state.pop("lm_head.weight", None)
         return save_hf_checkpoint(state, self.config, save_dir, max_shard_size=max_shard_size)
+
+
+def _check_shapes(input_ids, position_ids, mm_token_type_ids, target_ids, loss_mask, router_mask) -> None:
+    """``Qwen3_5VLM.forward``'s per-token inputs all have ``input_ids``' ``[B, L]`` shape (positions ``[3, B, L]``)."""
+    B, L = input_ids.shape
+    if position_ids is None:
+        raise ValueError(
+            "position_ids is required: MRoPE positions are built on the CPU by the data pipeline "
+            "(PackedBatch.position_ids, or vlm_sft.data.mrope.sample_position_ids for one sample), never here"
+        )
+    if tuple(position_ids.shape) != (3, B, L):
+        raise ValueError(f"position_ids must be [3, B, L] = [3, {B}, {L}], got {tuple(position_ids.shape)}")
+    for name, value in (
+        ("mm_token_type_ids", mm_token_type_ids), ("target_ids", target_ids), ("loss_mask", loss_mask),
+        ("router_mask", router_mask),
+    ):  # fmt: skip
+        if value is not None and value.shape != input_ids.shape:
+            raise ValueError(f"{name} shape {tuple(value.shape)} != input_ids shape {tuple(input_ids.shape)}")
 
 
 def _load_config(path: Path) -> Qwen3_5Config | Qwen3_5MoeConfig:

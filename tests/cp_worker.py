@@ -1,0 +1,80 @@
+"""One rank of the context-parallel parity test (``test_context_parallel.py``), launched by torchrun over gloo.
+
+Every rank builds the same tiny model and the same packed row, computes the whole row alone (cp 1), then its shard
+under cp = world size; it writes the gathered logits, the summed loss and gradients, and the vision tower's work to
+``$CP_OUT/rank<R>.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from packing_helpers import make_sample, packed_batch
+
+from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
+from vlm_sft.model.context_parallel import ContextParallel
+
+
+def row(cfg):
+    """64 tokens: text; an image sample straddling the cut at 32 (its image slots at 30-33); a text sample; a
+    second image sample; padding."""
+    gen = torch.Generator().manual_seed(5)
+    samples = [
+        make_sample(cfg, 24, [], 0, gen),  # 0-23
+        make_sample(cfg, 5, [(1, 4, 4)], 6, gen),  # 24-40: image slots 30-33
+        make_sample(cfg, 6, [], 0, gen),  # 41-46
+        make_sample(cfg, 2, [(1, 4, 8)], 3, gen),  # 47-60: 8 slots
+    ]
+    return packed_batch(cfg, [samples], 64)
+
+
+def run(model, batch, cp_size: int):
+    """(logits, loss sum, grads), all of the whole row, whatever the CP size."""
+    model.zero_grad(set_to_none=True)
+    kwargs = batch.model_kwargs()
+    out = model(**kwargs)
+    out.loss_sum.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss = out.loss_sum.detach().clone()
+    with torch.no_grad():
+        logits = model(**{k: v for k, v in kwargs.items() if k not in ("target_ids", "loss_mask")})
+    if cp_size > 1:
+        for g in grads.values():
+            dist.all_reduce(g)  # the CP group's ranks hold shards of one row: gradients are summed
+        dist.all_reduce(loss)
+        parts = [torch.empty_like(logits) for _ in range(cp_size)]
+        dist.all_gather(parts, logits.contiguous())
+        logits = torch.cat(parts)
+    return logits.reshape(-1, logits.shape[-1]), loss, grads
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    moe = os.environ.get("CP_MODEL") == "moe"
+    cfg = (tiny_qwen3_5_moe_config if moe else tiny_qwen3_5_config)(initializer_range=0.08)
+    torch.manual_seed(0)
+    model = build_model(cfg, freeze_vision=False, experts_impl="sorted")
+    batch = row(cfg)
+    whole = run(model, batch, 1)
+    reference = run(copy.deepcopy(model).double(), batch, 1)  # the float32 error of the whole row itself
+    patches: list[int] = []
+    model.model.visual.register_forward_pre_hook(lambda _m, args: patches.append(int(args[0].shape[0])))
+    model.set_context_parallel(ContextParallel(dist.group.WORLD, rank, size))
+    sharded = run(model, batch, size)
+    out = Path(os.environ["CP_OUT"]) / f"rank{rank}.pt"
+    torch.save(
+        {"whole": whole, "cp": sharded, "float64": reference, "patches": patches, "grid": batch.image_grid_thw}, out
+    )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
