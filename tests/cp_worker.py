@@ -2,7 +2,7 @@
 
 Every rank builds the same tiny model and the same packed row, computes the whole row alone (cp 1), then its shard
 under cp = world size; it writes the gathered logits, the summed loss and gradients, and the vision tower's work to
-``$CP_OUT/rank<R>.pt``.
+``$CP_OUT/<dense|moe>-rank<R>.pt``, for the dense and the MoE tiny model.
 """
 
 from __future__ import annotations
@@ -58,21 +58,19 @@ def run(model, batch, cp_size: int):
 def main() -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    moe = os.environ.get("CP_MODEL") == "moe"
-    cfg = (tiny_qwen3_5_moe_config if moe else tiny_qwen3_5_config)(initializer_range=0.08)
-    torch.manual_seed(0)
-    model = build_model(cfg, freeze_vision=False, experts_impl="sorted")
-    batch = row(cfg)
-    whole = run(model, batch, 1)
-    reference = run(copy.deepcopy(model).double(), batch, 1)  # the float32 error of the whole row itself
-    patches: list[int] = []
-    model.model.visual.register_forward_pre_hook(lambda _m, args: patches.append(int(args[0].shape[0])))
-    model.set_context_parallel(ContextParallel(dist.group.WORLD, rank, size))
-    sharded = run(model, batch, size)
-    out = Path(os.environ["CP_OUT"]) / f"rank{rank}.pt"
-    torch.save(
-        {"whole": whole, "cp": sharded, "float64": reference, "patches": patches, "grid": batch.image_grid_thw}, out
-    )
+    for name, config in (("dense", tiny_qwen3_5_config), ("moe", tiny_qwen3_5_moe_config)):
+        cfg = config(initializer_range=0.08)
+        torch.manual_seed(0)
+        model = build_model(cfg, freeze_vision=False, experts_impl="sorted")
+        batch = row(cfg)
+        whole = run(model, batch, 1)
+        reference = run(copy.deepcopy(model).double(), batch, 1)  # the float32 error of the whole row itself
+        patches: list[int] = []
+        model.model.visual.register_forward_pre_hook(lambda _m, args, seen=patches: seen.append(int(args[0].shape[0])))
+        model.set_context_parallel(ContextParallel(dist.group.WORLD, rank, size))
+        sharded = run(model, batch, size)
+        result = {"whole": whole, "cp": sharded, "float64": reference, "patches": patches, "grid": batch.image_grid_thw}
+        torch.save(result, Path(os.environ["CP_OUT"]) / f"{name}-rank{rank}.pt")
     dist.destroy_process_group()
 
 

@@ -220,6 +220,10 @@ class TrainConfig(_Section):
     """Passes over the data when ``max_steps`` is None."""
     micro_batches: int = Field(1, ge=1)
     """Micro-batches per optimizer step on each rank (gradient accumulation)."""
+    cp_size: int = Field(1, ge=1)
+    """Context parallelism: groups of this many consecutive ranks split each packed row (Ulysses: every rank holds
+    1/cp_size of the tokens; attention and GatedDeltaNet heads are split across the group). Data parallelism is
+    world_size / cp_size. Needs data.pack_len divisible by it, and head counts it splits (checked at start)."""
     grad_sync: Literal["step", "micro_batch"] = "step"
     """When sharded gradients are reduce-scattered: once per ``step`` (after the last micro-batch: 1/micro_batches
     of the traffic, but each rank holds the whole model's unsharded fp32 gradient during the step, 4 bytes per
@@ -315,6 +319,11 @@ class RunConfig(_Section):
         if m.name_or_path not in TINY_MODELS and m.initializer_range is not None:
             raise ConfigError(
                 f"model.initializer_range only applies to the tiny preset, not to {m.name_or_path!r}; remove it"
+            )
+        if t.cp_size > 1 and (d.packing == "stack" or d.pack_len % t.cp_size):
+            raise ConfigError(
+                f"train.cp_size = {t.cp_size} splits every packed row evenly over its ranks: use data.packing 'bfd' or "
+                f"'cat' (got {d.packing!r}) with data.pack_len a multiple of {t.cp_size} (got {d.pack_len})"
             )
         if d.packing == "stack" and d.max_image_patches_per_pack is not None:
             raise ConfigError(

@@ -31,10 +31,12 @@ class RunAccounting:
     COUNTS = ("samples_seen", "samples_packed", "samples_skipped")
     """The counts carried in each step's all-reduce (summed over ranks)."""
 
-    def __init__(self, out_dir: Path, env: DistEnv, batches: TrainBatches) -> None:
+    def __init__(self, out_dir: Path, env: DistEnv, batches: TrainBatches, *, replica: bool = False) -> None:
         self.path = out_dir / ACCOUNTING_FILE
         self.env = env
         self.batches = batches
+        self.replica = replica
+        """This rank loads the same samples as another (a context-parallel group's rank > 0): counted once, there."""
         # After a resume the pipelines' states say how many passes are done; every rank starts from the least.
         local = torch.tensor([batches.accounting().passes], dtype=torch.float64)
         self.passes_reported = int(all_reduce(local, env, "min"))
@@ -43,7 +45,8 @@ class RunAccounting:
     def local_values(self) -> list[float]:
         """This rank's part of the step's all-reduce: the counts, then 1 if it finished the next unreported pass."""
         acc = self.batches.accounting()
-        return [float(acc.seen), float(acc.packed), float(acc.skipped), float(acc.passes > self.passes_reported)]
+        counts = [0.0] * 3 if self.replica else [float(acc.seen), float(acc.packed), float(acc.skipped)]
+        return [*counts, float(acc.passes > self.passes_reported)]
 
     def after_step(self, totals: list[float], step: int) -> dict[str, int]:
         """The summed counts for the metrics; reports the pass when every rank has finished it."""
@@ -57,7 +60,8 @@ class RunAccounting:
 
         For the end of a pass, the pass's own counts come first (they balance exactly: seen == packed + skipped);
         the running totals after them include the next pass's look-ahead (``buffered``)."""
-        per_rank = gather_objects(self.batches.accounting().to_dict(), self.env)
+        mine = None if self.replica else self.batches.accounting().to_dict()
+        per_rank = [d for d in gather_objects(mine, self.env) if d is not None]
         total = DataAccounting.total(DataAccounting.from_dict(d) for d in per_rank)
         total.check()
         if self.env.is_main:

@@ -34,6 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from vlm_sft.config import ConfigError
+from vlm_sft.model.context_parallel import NO_CP, ContextParallel
+
 logger = logging.getLogger(__name__)
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -139,6 +142,30 @@ def shard_model(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | No
     fully_shard(inner.visual, **kwargs)
     fully_shard(model, **kwargs)
     return model
+
+
+def context_parallel_groups(env: DistEnv, cp_size: int) -> tuple[ContextParallel, int, int]:
+    """``(this rank's CP group, data-parallel rank, data-parallel size)`` for ``train.cp_size``.
+
+    CP groups are ``cp_size`` consecutive ranks (one node's GPUs, where the all-to-alls are fast); the group's
+    index is the rank's data-parallel rank. ``new_group`` is collective: every rank creates every group, in order.
+    The groups' all-to-alls are the model's data plane (device tensors, NCCL on CUDA), like FSDP's collectives;
+    sharding stays FSDP2 over all ranks (``shard_model``), whose average the trainer's loss scale accounts for.
+    """
+    if env.world_size % cp_size:
+        raise ConfigError(
+            f"train.cp_size = {cp_size} does not divide the {env.world_size} ranks; launch a multiple of {cp_size} "
+            "processes or change cp_size"
+        )
+    if cp_size == 1:
+        return NO_CP, env.rank, env.world_size
+    mine = None
+    for start in range(0, env.world_size, cp_size):
+        group = dist.new_group(list(range(start, start + cp_size)))
+        if start <= env.rank < start + cp_size:
+            mine = group
+    cp = ContextParallel(group=mine, rank=env.rank % cp_size, size=cp_size)
+    return cp, env.rank // cp_size, env.world_size // cp_size
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -6,6 +6,11 @@ of them on all ranks is all-reduced *before* any backward, and each micro-batch'
 exactly ``d(sum of token losses) / d(params) / global_count``, however the tokens were split across ranks and
 micro-batches. Gradients are reduce-scattered once per step, after the last micro-batch's backward.
 
+Context parallelism (``train.cp_size``) keeps this exact: the ranks of a CP group hold the same rows, each trains on
+its own shard of their tokens and counts only that shard (``step_batches.shard_counts``), so the global count
+counts every token once; the group's gradients are then summed, not averaged, by the same ``world_size / count``
+scale under FSDP2's average over every rank (the model needs no extra reduction over the CP group).
+
 Collectives follow the rules in ``distributed.py``: the step's one control-plane all-reduce (failure flag, end of
 data, token counts) runs on host tensors before the first forward, and every rank-local section (loading data,
 files written on rank 0, the packing self-check) is followed by an agreement, so one rank's failure stops all ranks.
@@ -28,7 +33,8 @@ from renderers import check_template_parity
 from vlm_sft.config import ConfigError, RunConfig
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
-from vlm_sft.flops import batch_flops, mfu, peak_flops
+from vlm_sft.flops import mfu, peak_flops
+from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.trainer import build
 from vlm_sft.trainer.batches import TrainBatches, resolve_num_workers
 from vlm_sft.trainer.checkpoint import (
@@ -45,8 +51,8 @@ from vlm_sft.trainer.distributed import (
     all_ranks_or_none,
     all_reduce,
     all_reduce_sum,
-    check_peers,
     cleanup,
+    context_parallel_groups,
     init_distributed,
     set_gradient_sync,
     shard_model,
@@ -56,6 +62,7 @@ from vlm_sft.trainer.export import export_final
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb, step_breakdown
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
 from vlm_sft.trainer.router_balance import RouterBalance, StepRouting, routing_metrics
+from vlm_sft.trainer.step_batches import StepBatches, next_step_batches
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +107,8 @@ class Run:
     """bf16 for bf16 runs (FSDP's param dtype), None for fp32."""
     balance: RouterBalance | None = None
     """MoE runs: the step-global load-balancing loss and routing metrics (None: dense)."""
+    cp: ContextParallel = NO_CP
+    """This rank's context-parallel group (``train.cp_size``; ``NO_CP`` without)."""
     timer: StepTimer = field(init=False)
     vision_timer: ModuleTimer = field(init=False)
 
@@ -107,20 +116,6 @@ class Run:
         self.timer = StepTimer(self.env.device)
         # The vision tower's share of each forward (it runs once per forward, on a dummy image when there is none).
         self.vision_timer = ModuleTimer(self.model.model.visual, self.env.device)
-
-
-@dataclass(frozen=True)
-class StepBatches:
-    """The micro-batches of one optimizer step and the counts over every rank (from the step's one all-reduce)."""
-
-    batches: list[PackedBatch]
-    trainable: int
-    real: int
-    capacity: int
-    images: int
-    flops: float
-    data: list[float] = field(default_factory=list)
-    """The data accounting's values summed over ranks (``RunAccounting.local_values``), when one was passed."""
 
 
 @dataclass(frozen=True)
@@ -172,11 +167,14 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     pad_id = int(processor.tokenizer.pad_token_id)
     if cfg.train.check_packing:
         _self_check(cfg, env, out_dir, model, renderer, sources, pad_id)
+    cp, dp_rank, dp_size = context_parallel_groups(env, cfg.train.cp_size)
+    with all_ranks_or_none(env, "setting up context parallelism"):
+        model.set_context_parallel(cp)  # after the self-check, which runs whole rows on rank 0 alone
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model = shard_model(model, env, param_dtype=compute_dtype)
     model.train()
     num_workers = resolve_num_workers(cfg.data.num_workers, log=env.is_main)
-    pipelines = build.TrainPipelines(cfg, sources.train, renderer, env.rank, env.world_size)
+    pipelines = build.TrainPipelines(cfg, sources.train, renderer, dp_rank, dp_size)  # a CP group shares its rows
     total_steps = cfg.train.max_steps or _count_steps(cfg, pipelines, max(num_workers, 1), env)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
@@ -200,10 +198,10 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
             report_to=list(cfg.train.report_to),
             run_config=cfg.to_dict(),
         )
-    accounting = RunAccounting(out_dir, env, train_batches)
+    accounting = RunAccounting(out_dir, env, train_batches, replica=cp.rank > 0)
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
-        metrics, total_steps, step, compute_dtype, balance,
+        metrics, total_steps, step, compute_dtype, balance, cp,
     )  # fmt: skip
 
 
@@ -302,7 +300,9 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
     while run.step < run.total_steps:
         run.timer.reset()
         run.vision_timer.take()  # drop anything an eval forward left behind
-        step_batches = next_step_batches(run.train_batches, cfg.train.micro_batches, env, run.model, run.accounting)
+        step_batches = next_step_batches(
+            run.train_batches, cfg.train.micro_batches, env, run.model, run.accounting, run.cp
+        )
         if step_batches is None:
             break
         stats = train_step(run, step_batches)
@@ -333,44 +333,6 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
 def _new_window() -> dict[str, float]:
     """Sums over the steps since the last metrics line (so a logged value covers every step, not just the last)."""
     return {"real": 0, "time": 0.0, "data": 0.0, "flops": 0.0, "start": time.perf_counter()}
-
-
-def next_step_batches(
-    batches: TrainBatches, n: int, env: DistEnv, model: torch.nn.Module, accounting: RunAccounting | None = None
-) -> StepBatches | None:
-    """``n`` micro-batches and the global counts, or None on every rank as soon as one rank ran out of data.
-
-    One all-reduce per step carries, from every rank: whether loading failed, whether the data ended, the counts
-    (trainable tokens first: the loss normalizer must be known before any backward) and the data accounting.
-    """
-    out: list[PackedBatch] = []
-    error = None
-    try:
-        for _ in range(n):
-            out.append(next(batches))
-    except StopIteration:
-        pass
-    except Exception as exc:  # reported to every rank by check_peers, then re-raised here
-        error = exc
-    flops = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in out)
-    data = accounting.local_values() if accounting is not None else []
-    local = torch.tensor(
-        [
-            0 if len(out) == n or error else 1,
-            sum(b.num_trainable_tokens for b in out),
-            sum(b.num_real_tokens for b in out),
-            sum(b.input_ids.numel() for b in out),
-            sum(b.num_images for b in out),
-            flops,
-            *data,
-        ],
-        dtype=torch.float64,
-    )
-    totals = check_peers(env, "loading the next batches", error, local)
-    if float(totals[0]) > 0:
-        return None
-    trainable, real, capacity, images = (int(v) for v in totals[1:5].tolist())
-    return StepBatches(out, trainable, real, capacity, images, float(totals[5]), totals[6:].tolist())
 
 
 def train_step(run: Run, step: StepBatches) -> StepStats:
@@ -455,7 +417,12 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
 
 
 def _evaluate(run: Run) -> dict:
-    result = evaluate(run.model, run.eval_batches, env=run.env, sample_tasks=run.sources.eval_tasks)
+    """Eval of every rank's own share of the held-out packs, whole rows per rank (context parallelism off)."""
+    run.model.set_context_parallel(NO_CP)
+    try:
+        result = evaluate(run.model, run.eval_batches, env=run.env, sample_tasks=run.sources.eval_tasks)
+    finally:
+        run.model.set_context_parallel(run.cp)
     with all_ranks_or_none(run.env, "writing the eval metrics"):
         run.metrics.log({"step": run.step, **result})
         run.metrics.write(_format_eval(run.step, result))

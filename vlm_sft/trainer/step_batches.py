@@ -1,0 +1,84 @@
+"""The micro-batches of one optimizer step and the counts every rank needs before its first forward.
+
+One all-reduce per step carries, from every rank: whether loading failed, whether the data ended, the token counts
+(trainable tokens first: the loss normalizer must be known before any backward), the images and FLOPs, and the data
+accounting. Under context parallelism the ranks of a CP group hold the same rows but train on disjoint token shards,
+so each counts the tokens of its own shard (every token is counted once over the world) and a 1/cp share of the
+images and FLOPs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlm_sft.data.batch import PackedBatch
+from vlm_sft.flops import batch_flops
+from vlm_sft.model.context_parallel import NO_CP, ContextParallel
+from vlm_sft.trainer.batches import TrainBatches
+from vlm_sft.trainer.data_accounting import RunAccounting
+from vlm_sft.trainer.distributed import DistEnv, check_peers
+
+
+@dataclass(frozen=True)
+class StepBatches:
+    """The micro-batches of one optimizer step and the counts over every rank (from the step's one all-reduce)."""
+
+    batches: list[PackedBatch]
+    trainable: int
+    real: int
+    capacity: int
+    images: int
+    flops: float
+    data: list[float] = field(default_factory=list)
+    """The data accounting's values summed over ranks (``RunAccounting.local_values``), when one was passed."""
+
+
+def next_step_batches(
+    batches: TrainBatches,
+    n: int,
+    env: DistEnv,
+    model: torch.nn.Module,
+    accounting: RunAccounting | None = None,
+    cp: ContextParallel = NO_CP,
+) -> StepBatches | None:
+    """``n`` micro-batches and the global counts (module docstring), or None on every rank as soon as one rank ran
+    out of data."""
+    out: list[PackedBatch] = []
+    error = None
+    try:
+        for _ in range(n):
+            out.append(next(batches))
+    except StopIteration:
+        pass
+    except Exception as exc:  # reported to every rank by check_peers, then re-raised here
+        error = exc
+    flops = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in out)
+    data = accounting.local_values() if accounting is not None else []
+    counts = [shard_counts(b, cp) for b in out]
+    local = torch.tensor(
+        [
+            0 if len(out) == n or error else 1,
+            *(sum(c[i] for c in counts) for i in range(3)),
+            sum(b.num_images for b in out) / cp.size,
+            flops / cp.size,
+            *data,
+        ],
+        dtype=torch.float64,
+    )
+    totals = check_peers(env, "loading the next batches", error, local)
+    if float(totals[0]) > 0:
+        return None
+    trainable, real, capacity, images = (round(v) for v in totals[1:5].tolist())
+    return StepBatches(out, trainable, real, capacity, images, float(totals[5]), totals[6:].tolist())
+
+
+def shard_counts(batch: PackedBatch, cp: ContextParallel) -> tuple[int, int, int]:
+    """(trainable, real, all) tokens of this rank's shard of ``batch`` (the whole batch without CP), from the CPU
+    copy the loader returns: no device read."""
+    if not cp.active:
+        return batch.num_trainable_tokens, batch.num_real_tokens, batch.input_ids.numel()
+    trainable = int(cp.shard(batch.loss_mask.reshape(-1)).sum())
+    real = int(cp.shard(batch.real_mask().reshape(-1)).sum())
+    return trainable, real, batch.input_ids.numel() // cp.size
