@@ -2,7 +2,7 @@
 
     bash bench/gpu.sh                      (the whole GPU check: kernel exactness, the trainer end to end, this)
     python bench/gpu_bench.py [--pack-len 8192] [--steps 8] [--modes bfd,stack] [--backends auto,torch] [--lora bfd]
-                              [--moe bfd] [--moe-layers 4]
+                              [--moe bfd] [--moe-layers 4] [--cp 2]
     python bench/gpu_bench.py --smoke      (a CPU dry run of the same code on shrunken shapes)
 
 The model is ``vlm_sft.flops.qwen3_5_0_8b_config()`` (the real 0.8B shape, random init, nothing downloaded): fp32
@@ -27,6 +27,14 @@ trainable (the routed experts 0.81B a layer), about 72 GB of fp32 weights, gradi
 fused AdamW); their TFLOP/s and MFU count the active experts only (``vlm_sft.flops``: router, top-k routed experts,
 shared expert and its gate, never all 256). The load-balancing loss is not in these steps (its FLOPs are elementwise).
 
+Context parallelism (``--cp N``, default 1: none; only when asked, so ``bash bench/gpu.sh`` is unchanged): with N or
+more CUDA GPUs, the 0.8B model (full fine-tuning, first backend) on the ``bfd`` packs at cp 1 (one GPU) and at cp N
+(N GPUs over NCCL, one packed row split over them: ``vlm_sft.model.context_parallel``), each a
+``torch.distributed.run`` of this script; the cp N ranks sum their gradients over the group before clipping (in the
+backward time). Per rank: real tokens/s of the group (the row's tokens over the step time) and per GPU, step time,
+peak memory, MFU over the N GPUs. With fewer GPUs it prints that it skipped and records why; ``--smoke --cp 2`` runs
+the same launch on the CPU over gloo. The pack length must divide by N.
+
 Per mode: ``--warmup`` untimed steps (kernel compilation and autotuning), then ``--steps`` timed steps, each
 synchronized; the vision tower is timed by forward hooks (synchronized). Tokens/s counts real (non-padding) tokens;
 TFLOP/s and MFU count useful FLOPs only (``vlm_sft.flops``: real tokens and segments, forward x 3 for the text model,
@@ -43,10 +51,14 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
@@ -54,6 +66,7 @@ from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.synthetic import SyntheticSource
 from vlm_sft.flops import FlopCount, batch_flops, mfu, peak_flops, qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
 from vlm_sft.model import build_model
+from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.model.moe import is_moe_text_config
 from vlm_sft.trainer.metrics import ModuleTimer
 
@@ -100,7 +113,9 @@ def shrink(config):
 
 
 class Bench:
-    def __init__(self, config, device: torch.device, backend: str, *, lora: bool = False) -> None:
+    def __init__(
+        self, config, device: torch.device, backend: str, *, lora: bool = False, cp: ContextParallel = NO_CP
+    ) -> None:
         torch.manual_seed(0)
         impl = {"attn_impl": "sdpa", "linear_attn_impl": "torch", "loss_impl": "chunked"} if backend == "torch" else {}
         with torch.device(device):  # built and initialised on the device: no host copy of a 4.8B-parameter MoE model
@@ -115,6 +130,9 @@ class Bench:
         self.device = device
         self.autocast = torch.bfloat16 if device.type == "cuda" else None
         self.vision = ModuleTimer(self.model.model.visual, device)
+        self.cp = cp
+        if cp.active:
+            self.model.set_context_parallel(cp)
 
     def train_flops(self, count: FlopCount) -> float:
         """Training FLOPs of a batch: ``count.train`` for full fine-tuning; for LoRA no weight gradient of the frozen
@@ -139,6 +157,10 @@ class Bench:
         self._sync()
         t1 = time.perf_counter()
         (out.loss_sum / max(batch.num_trainable_tokens, 1)).backward()
+        if self.cp.active:  # the group's ranks hold shards of one row: its gradient is their sum
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.cp.group)
         self._sync()
         t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], 1.0)
@@ -218,6 +240,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help="its decoder layers (default 4; of 40)")
     ap.add_argument("--warmup", type=int, help="untimed steps per row (default 3; --smoke 1)")
     ap.add_argument("--steps", type=int, help="timed steps per row (default 8; --smoke 2)")
+    ap.add_argument(
+        "--cp", type=int, default=1, help="also run the 0.8B bfd row at cp 1 and cp N on N GPUs (default 1: no)"
+    )
+    ap.add_argument("--cp-worker", help=argparse.SUPPRESS)  # a rank of the cp case: the folder its row goes to
     ap.add_argument("--smoke", action="store_true", help="CPU dry run on a shrunken shape (checks the script only)")
     ap.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS}; --smoke writes none unless given)")
     args = ap.parse_args()
@@ -232,6 +258,11 @@ def parse_args() -> argparse.Namespace:
                 f"--{flag} {unknown} are not among --modes {args.modes}: add them there, or pass --{flag} none"
             )
         setattr(args, flag, chosen)
+    if args.cp > 1 and args.pack_len % args.cp:
+        raise SystemExit(
+            f"--cp {args.cp} splits each {args.pack_len}-token pack over {args.cp} ranks: pass a --pack-len "
+            "divisible by it"
+        )
     return args
 
 
@@ -260,6 +291,9 @@ def model_configs(args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     args = parse_args()
+    if args.cp_worker:
+        cp_worker(args)
+        return
     if args.smoke:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():
@@ -299,8 +333,15 @@ def main() -> None:
     precision = "bf16 autocast" if device.type == "cuda" else "float32"
     print(f"\n{shape}, random init, {precision}, frozen vision, {args.pack_len}-token packs; {name}; {peak_text}")
     print(format_rows(payload["rows"]))
+    cp_ok = True
+    if args.cp > 1:
+        payload["cp"] = run_cp_case(args)
+        write_json(targets, payload, quiet=True)
+        cp_ok = "error" not in payload["cp"]
     payload["complete"] = True
     write_json(targets, payload)
+    if not cp_ok:
+        raise SystemExit(f"the cp {args.cp} case failed (the other rows are written): {payload['cp']['error'][-2000:]}")
 
 
 def run_row(bench: Bench, batches: list[PackedBatch], args: argparse.Namespace, peak: float | None) -> dict:
@@ -318,6 +359,14 @@ def run_row(bench: Bench, batches: list[PackedBatch], args: argparse.Namespace, 
     return row | {"kernels": kernels, "wall_s": time.perf_counter() - start}
 
 
+def _time_mfu_memory(r: dict) -> tuple[str, str, str]:
+    """A row's time split (vision / text forward / backward / optimizer ms), MFU and peak memory, as printed."""
+    split = "/".join(f"{r[k]:.0f}" for k in ("vision_ms", "text_forward_ms", "backward_ms", "optimizer_ms"))
+    m = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
+    return split, m, mem
+
+
 def format_rows(rows: list[dict]) -> str:
     """The results table (one line per backend x model x tuning x mode); ``bench/gpu_check.py`` prints it too."""
     header = (
@@ -326,9 +375,7 @@ def format_rows(rows: list[dict]) -> str:
     )
     lines = [header, "-" * len(header)]
     for r in rows:
-        split = "/".join(f"{r[k]:.0f}" for k in ("vision_ms", "text_forward_ms", "backward_ms", "optimizer_ms"))
-        m = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "n/a"
+        split, m, mem = _time_mfu_memory(r)
         lines.append(
             f"{r['backend']:<8} {r['kernels']:<29} {r.get('model', '0.8B'):<11} {r.get('tuning', 'full'):<4} "
             f"{r['mode']:<6} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} {r['step_ms']:>8.1f} {split:>22} "
@@ -343,6 +390,88 @@ def write_json(targets: list[Path], payload: dict, *, quiet: bool = False) -> No
         target.write_text(json.dumps(payload, indent=2) + "\n")
         if not quiet:
             print(f"wrote {target}")
+
+
+# ------------------------------------------------------------------------------------------------ context parallelism
+
+
+def run_cp_case(args: argparse.Namespace) -> dict:
+    """The cp case (module docstring): cp 1, then cp ``args.cp``, each a ``torch.distributed.run`` of this script.
+    Returns the ranks' rows, or why it was skipped, or the failing launch's error (with the rows done before it)."""
+    gpus = torch.cuda.device_count()
+    if not args.smoke and gpus < args.cp:
+        reason = f"--cp {args.cp} needs {args.cp} CUDA GPUs; this machine has {gpus}"
+        print(f"cp case skipped: {reason}", flush=True)
+        return {"skipped": reason}
+    forwarded = ["--pack-len", str(args.pack_len), "--samples", str(args.samples), "--warmup", str(args.warmup)]
+    forwarded += ["--steps", str(args.steps), "--stack-rows", str(args.stack_rows)]
+    forwarded += ["--backends", args.backends.split(",")[0], "--modes", "bfd", "--lora", "none", "--moe", "none"]
+    forwarded += ["--smoke"] if args.smoke else []
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OUT")}
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_cp_") as out:
+        for size in (1, args.cp):
+            start = time.perf_counter()
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", __file__]
+            done = subprocess.run([*cmd, "--cp-worker", out, *forwarded], capture_output=True, text=True, env=env)
+            if done.returncode:
+                print(f"cp {size} failed (exit {done.returncode}):\n{done.stderr[-4000:]}", flush=True)
+                return {"rows": rows, "error": f"cp {size}, exit {done.returncode}: {done.stderr[-6000:]}"}
+            ranks = [json.loads(Path(out, f"cp{size}_rank{r}.json").read_text()) for r in range(size)]
+            rows += ranks
+            wall = time.perf_counter() - start
+            print(
+                f"  cp {size}: {ranks[0]['real_tok_s']:.0f} real tok/s over {size} device(s) ({wall:.0f} s)", flush=True
+            )
+    print(f"\nContext parallelism, 0.8B bfd rows of {args.pack_len} tokens, one row split over the cp ranks")
+    print(format_cp_rows(rows))
+    return {"rows": rows}
+
+
+def cp_worker(args: argparse.Namespace) -> None:
+    """One rank of the cp case: the 0.8B model, context-parallel over the launch's world (NCCL on CUDA, gloo for
+    ``--smoke``), on the ``bfd`` packs; writes its row to ``<--cp-worker>/cp<N>_rank<R>.json``."""
+    cuda = not args.smoke
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    config = model_configs(args)["full"]
+    source = SyntheticSource(args.samples, distribution="long_tail", seed=0)
+    samples = [source(i) for i in range(args.samples)]
+    pad_id = int(config.text_config.pad_token_id)
+    batches = make_batches(samples, "bfd", pack_len=args.pack_len, stack_rows=args.stack_rows, pad_id=pad_id)
+    cp = ContextParallel(dist.group.WORLD, rank, size) if size > 1 else NO_CP
+    bench = Bench(config, device, args.backends, cp=cp)
+    row = run_row(bench, batches, args, peak_flops(device, torch.bfloat16))
+    if row["mfu"] is not None:
+        row["mfu"] /= size  # the row's useful FLOPs over the group's devices
+    row |= {
+        "backend": args.backends,
+        "mode": "bfd",
+        "cp": size,
+        "rank": rank,
+        "real_tok_s_per_gpu": row["real_tok_s"] / size,
+    }
+    Path(args.cp_worker, f"cp{size}_rank{rank}.json").write_text(json.dumps(row))
+    dist.destroy_process_group()
+
+
+def format_cp_rows(rows: list[dict]) -> str:
+    """The cp case's table: one line per (cp, rank); tokens/s of the group (the whole row) and per GPU."""
+    header = (
+        f"{'cp':>2} {'rank':>4} {'kernels':<29} {'rows x len':>11} {'real tok/s':>10} {'tok/s/GPU':>9} {'step ms':>8} "
+        f"{'vis/txt/bwd/opt ms':>22} {'MFU':>6} {'mem GiB':>8}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        split, m, mem = _time_mfu_memory(r)
+        lines.append(
+            f"{r['cp']:>2} {r['rank']:>4} {r['kernels']:<29} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} "
+            f"{r['real_tok_s_per_gpu']:>9.0f} {r['step_ms']:>8.1f} {split:>22} {m:>6} {mem:>8}"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

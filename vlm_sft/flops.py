@@ -317,6 +317,15 @@ def mfu(flops: float, seconds: float, peak: float | None, num_devices: int = 1) 
 # ------------------------------------------------------------------------------------------------ reference shape
 
 
+QWEN3_5_VISION_TOKEN_IDS = {
+    "image_token_id": 248056,
+    "video_token_id": 248057,
+    "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054,
+}
+"""The vision special tokens of every released Qwen3.5 tokenizer."""
+
+
 def _qwen3_5_text_common() -> dict:
     """Text settings every released Qwen3.5 checkpoint shares (interleaved MRoPE over a quarter of each head, theta
     1e7; the tokenizer's pad / end id); a fresh dict per call, since configs may rewrite their rope parameters."""
@@ -366,10 +375,7 @@ def qwen3_5_0_8b_config() -> Qwen3_5Config:
     return Qwen3_5Config(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=248056,
-        video_token_id=248057,
-        vision_start_token_id=248053,
-        vision_end_token_id=248054,
+        **QWEN3_5_VISION_TOKEN_IDS,
         tie_word_embeddings=True,
     )
 
@@ -424,9 +430,6 @@ def qwen3_5_35b_a3b_config(num_hidden_layers: int = 40) -> Qwen3_5MoeConfig:
     return Qwen3_5MoeConfig(
         text_config=text_config,
         vision_config=vision_config,
-        image_token_id=248056,
-        video_token_id=248057,
-        vision_start_token_id=248053,
-        vision_end_token_id=248054,
+        **QWEN3_5_VISION_TOKEN_IDS,
         tie_word_embeddings=False,
     )
