@@ -27,6 +27,7 @@ Legend: T = tokens of the row(s), t = T / cp tokens of a shard, H = heads, d = h
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +62,7 @@ class ContextParallel:
         t, heads = x_tHd.shape[:2]
         rest = x_tHd.shape[2:]
         chunks = x_tHd.reshape(t, self.size, heads // self.size, *rest).transpose(0, 1).contiguous()
-        out = self._all_to_all(chunks.reshape(self.size * t, heads // self.size, *rest))
-        return out  # rank j's tokens arrive j-th: token order is kept
+        return self._all_to_all(chunks.reshape(self.size * t, heads // self.size, *rest))  # rank j's tokens j-th
 
     def heads_to_seq(self, x_THd: torch.Tensor) -> torch.Tensor:
         """``[T, H / cp, ...]`` -> ``[t, H, ...]``: this rank's tokens, every head (the inverse of ``seq_to_heads``)."""
@@ -110,15 +110,23 @@ def kv_heads_layout(num_kv_heads: int, size: int) -> int:
     )
 
 
-def qkv_channels(key_dim: int, value_dim: int, rank: int, size: int) -> torch.Tensor:
-    """Indices of rank ``rank``'s channels of GatedDeltaNet's fused ``[q | k | v]`` (three blocks, one per part)."""
+@functools.cache
+def qkv_channels(key_dim: int, value_dim: int, rank: int, size: int, device: torch.device) -> torch.Tensor:
+    """Indices of rank ``rank``'s channels of GatedDeltaNet's fused ``[q | k | v]`` (three blocks, one per part), on
+    ``device``; cached, so a forward indexes with a tensor already there instead of copying one per layer."""
     kq, vq = key_dim // size, value_dim // size
     parts = [
         torch.arange(rank * kq, (rank + 1) * kq),
         key_dim + torch.arange(rank * kq, (rank + 1) * kq),
         2 * key_dim + torch.arange(rank * vq, (rank + 1) * vq),
     ]
-    return torch.cat(parts)
+    return torch.cat(parts).to(device)
+
+
+@functools.cache
+def qkv_rank_order(key_dim: int, value_dim: int, size: int, device: torch.device) -> torch.Tensor:
+    """Every rank's ``qkv_channels`` in rank order: the permutation that makes each rank's channels contiguous."""
+    return torch.cat([qkv_channels(key_dim, value_dim, r, size, device) for r in range(size)])
 
 
 def check_heads(text_config, size: int) -> None:

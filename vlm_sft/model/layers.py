@@ -22,7 +22,7 @@ from transformers import Qwen3_5TextConfig
 
 from vlm_sft.model.attention import varlen_attention
 from vlm_sft.model.backends import Backends
-from vlm_sft.model.context_parallel import NO_CP, ContextParallel, kv_heads_layout, qkv_channels
+from vlm_sft.model.context_parallel import NO_CP, ContextParallel, kv_heads_layout, qkv_channels, qkv_rank_order
 from vlm_sft.model.conv import causal_conv1d
 from vlm_sft.model.gdn import gated_delta_rule
 from vlm_sft.model.rotary import apply_partial_rotary
@@ -145,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         channels = None
         if cp.active:
             qkv_TC, b_TH, a_TH = self._to_head_shard(qkv_TC, b_TH, a_TH, cp)
-            channels = qkv_channels(self.key_dim, self.value_dim, cp.rank, cp.size)
+            channels = qkv_channels(self.key_dim, self.value_dim, cp.rank, cp.size, qkv_TC.device)
         T, n_k, n_v = qkv_TC.shape[0], self.num_k_heads // cp.size, self.num_v_heads // cp.size
         qkv_TC = self.conv1d(qkv_TC, segments, backends.conv, channels)
         q_TC, k_TC, v_TC = torch.split(qkv_TC, [n_k * self.head_k_dim] * 2 + [n_v * self.head_v_dim], dim=-1)
@@ -171,8 +171,8 @@ class GatedDeltaNet(nn.Module):
     def _to_head_shard(self, qkv_tC, b_tH, a_tH, cp: ContextParallel):
         """One all-to-all for q, k, v (three channel blocks per rank), beta and the decay input."""
         t, size = qkv_tC.shape[0], cp.size
-        order = torch.cat([qkv_channels(self.key_dim, self.value_dim, r, size) for r in range(size)])
-        parts = [qkv_tC[:, order.to(qkv_tC.device)].view(t, size, -1), b_tH.view(t, size, -1), a_tH.view(t, size, -1)]
+        order = qkv_rank_order(self.key_dim, self.value_dim, size, qkv_tC.device)
+        parts = [qkv_tC[:, order].view(t, size, -1), b_tH.view(t, size, -1), a_tH.view(t, size, -1)]
         widths = [p.shape[-1] for p in parts]
         packed = cp.seq_to_heads(torch.cat([p.to(qkv_tC.dtype) for p in parts], dim=-1))  # [T, 1, sum(widths)]
         qkv_TC, b_TH, a_TH = packed.squeeze(1).split(widths, dim=-1)

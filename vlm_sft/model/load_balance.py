@@ -52,9 +52,11 @@ def router_stats(
 
     The softmax is float32 and the top-k is taken on it, as the router itself routes; all sums stay on the device.
     """
+    if not logits:
+        raise ValueError("router_stats needs the logits of at least one MoE layer")
+    weight_T1 = None if mask_T is None else mask_T.to(torch.float32).unsqueeze(-1)
     counts, probs = [], []
     for logits_TE in logits:
-        weight_T1 = None if mask_T is None else mask_T.to(torch.float32).unsqueeze(-1)
         with torch.set_grad_enabled(probs_grad and torch.is_grad_enabled()):
             probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
             probs.append((probs_TE if weight_T1 is None else probs_TE * weight_T1).sum(0))
@@ -62,8 +64,6 @@ def router_stats(
             experts_TK = torch.topk(probs_TE.detach(), top_k, dim=-1).indices
             chosen_TE = torch.zeros_like(probs_TE, dtype=torch.float32).scatter_(-1, experts_TK, 1.0)
             counts.append((chosen_TE if weight_T1 is None else chosen_TE * weight_T1).sum(0))
-    if not logits:
-        raise ValueError("router_stats needs the logits of at least one MoE layer")
     num_tokens = logits[0].shape[0] if mask_T is None else mask_T.sum()
     tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=logits[0].device)
     return RouterStats(counts_ME=torch.stack(counts), probs_ME=torch.stack(probs), tokens=tokens)

@@ -342,10 +342,11 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
     scale = env.world_size / max(step.trainable, 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
     balance, routing = run.balance, StepRouting()
-    several = len(step.batches) > 1
-    step_counts = balance.prepass_counts(model, step.batches, env) if balance and balance.trains and several else None
-    for i, batch in enumerate(step.batches):
-        batch = batch.to(env.device)
+    prepass = balance is not None and balance.trains and len(step.batches) > 1
+    batches = [b.to(env.device) for b in step.batches] if prepass else step.batches  # copied once, used twice
+    step_counts = balance.prepass_counts(model, batches, env) if prepass else None
+    for i, batch in enumerate(batches):
+        batch = batch.to(env.device)  # a no-op for batches the pre-pass already holds on the device
         set_gradient_sync(model, run.cfg.train.grad_sync == "micro_batch" or i == len(step.batches) - 1)
         out = model(**batch.model_kwargs(), **(balance.forward_kwargs(batch) if balance else {}))
         timer.mark("forward_s")

@@ -79,11 +79,11 @@ class RouterBalance:
 
     def prepass_counts(self, model: torch.nn.Module, batches: list[PackedBatch], env: DistEnv) -> torch.Tensor:
         """The step's ``C`` (``[M, E]``, summed over micro-batches and ranks) from forwards without gradient or LM
-        head, for steps of several micro-batches (every rank runs the same number: FSDP's collectives agree)."""
+        head, for steps of several micro-batches (every rank runs the same number: FSDP's collectives agree).
+        ``batches`` are on the device already: the step's forwards reuse them."""
         counts = torch.zeros(self.num_layers, self.num_experts, device=env.device)
         with torch.no_grad():
             for batch in batches:
-                batch = batch.to(env.device)
                 stats = model(**batch.model_kwargs(), **self.forward_kwargs(batch), routing_only=True)
                 counts += stats.counts_ME
         return self.global_counts(counts, env)
