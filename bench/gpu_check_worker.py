@@ -13,7 +13,7 @@ recorded by the check, which then goes on with the next part. Each command write
   all 24 layers; ``--smoke``: 2 layers, 1 GatedDeltaNet + 1 full attention, small vision) saved as an HF checkpoint
   directory with the tiny offline processor. Its special-token ids are the tiny tokenizer's, so the directory is
   self-consistent (the tiny ids are all below the 248,320-token vocabulary).
-- ``reload``: ``final/`` loaded by ``Qwen3_5VLM.from_pretrained`` and by transformers'
+- ``reload``: ``final/`` loaded by ``vlm_sft.checkpoint.load.from_pretrained`` and by transformers'
   ``Qwen3_5ForConditionalGeneration.from_pretrained``; both score the processor's probe conversation (text + image)
   in float32 on the device and the logits are compared. ``--other``: the largest weight difference to another
   final checkpoint (the resumed run's).
@@ -91,6 +91,7 @@ def model_config(tokenizer, *, smoke: bool):
 
 def write_model(directory: Path, *, smoke: bool) -> dict:
     from processors import load_tiny_processor, save_processor
+    from vlm_sft.checkpoint.export import save_pretrained
     from vlm_sft.model import build_model
 
     t0 = time.perf_counter()
@@ -98,7 +99,7 @@ def write_model(directory: Path, *, smoke: bool) -> dict:
     config = model_config(processor.tokenizer, smoke=smoke)
     torch.manual_seed(0)
     model = build_model(config)  # on the CPU in float32: nothing runs here, the trainer loads it onto the device
-    model.save_pretrained(directory)
+    save_pretrained(model, directory)
     save_processor(directory, processor, processor.tokenizer)
     text, vision = config.text_config, config.vision_config
     return {
@@ -120,8 +121,8 @@ def probe_logits(final: Path, device: torch.device) -> dict:
 
     from processors import load_processor
     from processors.loading import probe_conversation
+    from vlm_sft.checkpoint.load import from_pretrained
     from vlm_sft.data.mrope import batch_position_ids
-    from vlm_sft.model import Qwen3_5VLM
 
     processor = load_processor(final)
     inputs = processor.apply_chat_template(
@@ -129,7 +130,7 @@ def probe_logits(final: Path, device: torch.device) -> dict:
     )
     ids, mm, pixels, grid = (inputs[k] for k in ("input_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw"))
     with torch.no_grad():
-        ours = Qwen3_5VLM.from_pretrained(final, device=device).eval()
+        ours = from_pretrained(final, device=device).eval()
         got = ours(
             ids.to(device),
             position_ids=batch_position_ids(mm, grid).to(device),

@@ -9,8 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
 
+from vlm_sft.checkpoint.export import save_pretrained
+from vlm_sft.checkpoint.load import from_pretrained
 from vlm_sft.data.mrope import batch_position_ids, mrope_position_ids
-from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config
+from vlm_sft.model import build_model, tiny_qwen3_5_config
 from vlm_sft.model.layers import GatedDeltaNet, RMSNorm, RMSNormGated
 
 PATCH_ROW = 3 * 2 * 16 * 16
@@ -138,7 +140,7 @@ def test_loss_equals_transformers_cross_entropy(cfg, pair):
 def test_checkpoint_round_trip_through_transformers(cfg, tmp_path):
     torch.manual_seed(1)
     ours = build_model(cfg)
-    ours.save_pretrained(tmp_path / "ours", max_shard_size="200KB")
+    save_pretrained(ours, tmp_path / "ours", max_shard_size="200KB")
     index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # really sharded
 
@@ -146,7 +148,7 @@ def test_checkpoint_round_trip_through_transformers(cfg, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert theirs.config.architectures == ["Qwen3_5ForConditionalGeneration"]
     theirs.save_pretrained(tmp_path / "theirs")
-    back = Qwen3_5VLM.from_pretrained(tmp_path / "theirs")
+    back = from_pretrained(tmp_path / "theirs")
 
     a, b = ours.state_dict(), back.state_dict()
     assert a.keys() == b.keys()
@@ -164,28 +166,28 @@ def test_bf16_checkpoint_loads(cfg, pair, tmp_path):
     bf16.to(torch.bfloat16).save_pretrained(tmp_path)
     assert next(iter(load_file(tmp_path / "model.safetensors").values())).dtype == torch.bfloat16
 
-    fp32 = Qwen3_5VLM.from_pretrained(tmp_path)  # dtype None: float32 master weights
+    fp32 = from_pretrained(tmp_path)  # dtype None: float32 master weights
     expected = {k: v.bfloat16().float() for k, v in ours.state_dict().items()}
     got = fp32.state_dict()
     assert all(got[k].dtype == torch.float32 and torch.equal(got[k], expected[k]) for k in expected)
-    kept = Qwen3_5VLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    kept = from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert {p.dtype for p in kept.parameters()} == {torch.bfloat16}
 
 
 def test_checkpoint_keys_mtp_dropped_unknown_rejected(cfg, tmp_path):
     torch.manual_seed(2)
-    build_model(cfg).save_pretrained(tmp_path)
+    save_pretrained(build_model(cfg), tmp_path)
     path = tmp_path / "model.safetensors"
     state = load_file(path)
     save_file({**state, "mtp.fc.weight": torch.zeros(2, 2)}, path, metadata={"format": "pt"})
-    Qwen3_5VLM.from_pretrained(tmp_path)  # the hub's multi-token-prediction head is ignored
+    from_pretrained(tmp_path)  # the hub's multi-token-prediction head is ignored
     save_file({**state, "model.bogus.weight": torch.zeros(2)}, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"unexpected \['model.bogus.weight'\]"):
-        Qwen3_5VLM.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
     del state["model.language_model.norm.weight"]
     save_file(state, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing \['model.language_model.norm.weight'\]"):
-        Qwen3_5VLM.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
 
 
 def test_tied_embeddings_save_and_load(tmp_path):
@@ -194,11 +196,11 @@ def test_tied_embeddings_save_and_load(tmp_path):
     torch.manual_seed(3)
     ours = build_model(cfg)
     assert ours.lm_head.weight is ours.model.language_model.embed_tokens.weight
-    ours.save_pretrained(tmp_path / "ours")
+    save_pretrained(ours, tmp_path / "ours")
     assert "lm_head.weight" not in load_file(tmp_path / "ours" / "model.safetensors")
     theirs = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path / "ours")
     assert torch.equal(theirs.lm_head.weight, ours.lm_head.weight)
-    back = Qwen3_5VLM.from_pretrained(tmp_path / "ours")
+    back = from_pretrained(tmp_path / "ours")
     assert back.lm_head.weight is back.model.language_model.embed_tokens.weight
     ids = torch.randint(0, 2048, (1, 12))
     with torch.no_grad():

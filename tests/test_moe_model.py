@@ -14,9 +14,11 @@ from test_model_parity import image_batch  # one sample with three images of dif
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
+from vlm_sft.checkpoint.export import save_pretrained
+from vlm_sft.checkpoint.hf_dir import fuse_experts, split_experts
+from vlm_sft.checkpoint.load import from_pretrained
 from vlm_sft.data.mrope import batch_position_ids
-from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_moe_config
-from vlm_sft.model.checkpoint_io import fuse_experts, split_experts
+from vlm_sft.model import build_model, tiny_qwen3_5_moe_config
 from vlm_sft.model.moe import Experts, SparseMoeBlock, TopKRouter
 
 TOL = 1e-5
@@ -79,7 +81,7 @@ def test_logits_equal_transformers_on_text_and_images(cfg, pair):
 def test_checkpoint_round_trip_through_transformers(cfg, tmp_path):
     torch.manual_seed(1)
     ours = build_model(cfg)
-    ours.save_pretrained(tmp_path / "ours")
+    save_pretrained(ours, tmp_path / "ours")
     on_disk = load_file(tmp_path / "ours" / "model.safetensors")
     assert f"{EXPERTS}.3.gate_proj.weight" in on_disk and f"{EXPERTS}.gate_up_proj" not in on_disk
 
@@ -88,7 +90,7 @@ def test_checkpoint_round_trip_through_transformers(cfg, tmp_path):
     assert theirs.config.architectures == ["Qwen3_5MoeForConditionalGeneration"]
     theirs.save_pretrained(tmp_path / "theirs")
     assert load_file(tmp_path / "theirs" / "model.safetensors").keys() == on_disk.keys()
-    back = Qwen3_5VLM.from_pretrained(tmp_path / "theirs")
+    back = from_pretrained(tmp_path / "theirs")
     assert isinstance(back.config, Qwen3_5MoeConfig)
 
     a, b = ours.state_dict(), back.state_dict()
@@ -100,18 +102,18 @@ def test_checkpoint_round_trip_through_transformers(cfg, tmp_path):
 def test_fused_checkpoint_loads_and_incomplete_experts_raise(cfg, tmp_path):
     torch.manual_seed(2)
     ours = build_model(cfg)
-    ours.save_pretrained(tmp_path)
+    save_pretrained(ours, tmp_path)
     path = tmp_path / "model.safetensors"
     per_expert = load_file(path)
     fused = fuse_experts(per_expert)
     assert fused.keys() == ours.state_dict().keys() and split_experts(fused).keys() == per_expert.keys()
     save_file(fused, path, metadata={"format": "pt"})  # the in-memory form, as a raw state dict dump holds it
-    back = Qwen3_5VLM.from_pretrained(tmp_path)
+    back = from_pretrained(tmp_path)
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in ours.state_dict().items())
     del per_expert[f"{EXPERTS}.2.up_proj.weight"]
     save_file(per_expert, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"experts \[2\] lack one of"):
-        Qwen3_5VLM.from_pretrained(tmp_path)
+        from_pretrained(tmp_path)
 
 
 @torch.no_grad()

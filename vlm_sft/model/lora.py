@@ -19,7 +19,8 @@ the adapter folder still holds the module under the key ``PeftModel`` loads (``l
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -118,33 +119,60 @@ def init_adapters(model: nn.Module, seed: int) -> None:
 
     peft initializes each adapter in its base layer's dtype, so on a base loaded in bf16 A would be drawn in bf16 and
     only then raised to fp32 (``store_frozen_in``): a bf16 and an fp32 run with one seed would start differently.
-    Called after ``store_frozen_in``, every run draws the same fp32 adapters whatever the base's dtype.
+    Here each A is drawn whole in fp32 on the CPU, module by module from one generator, and each rank keeps the rows
+    its shard holds: the same adapters on any number of ranks, whatever the base's dtype, sharded (FSDP2 DTensors,
+    also straight after ``to_empty``) or not.
     """
     from peft.tuners.lora import LoraLayer
 
-    torch.manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, LoraLayer):
-            module.reset_lora_parameters(ADAPTER_NAME, init_lora_weights=True)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, LoraLayer) or ADAPTER_NAME not in module.lora_A:
+                continue
+            a, b = module.lora_A[ADAPTER_NAME].weight, module.lora_B[ADAPTER_NAME].weight
+            full = torch.empty(a.shape, dtype=torch.float32)
+            bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
+            full.uniform_(-bound, bound, generator=generator)
+            local, start, stop = _local_rows(a)
+            local.copy_(full[start:stop])
+            _local_rows(b)[0].zero_()
 
 
-def base_fingerprint(model: nn.Module) -> str:
-    """A digest of the frozen parameters (names, dtypes, shapes, sums and absolute sums), taken before sharding.
+def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """This rank's rows of ``t`` on dim 0 (FSDP2's ``Shard(0)``, ``torch.chunk`` pieces; all rows of a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t, 0, t.shape[0]
+    chunk = -(-t.shape[0] // t.device_mesh.size())
+    start = min(t.device_mesh.get_local_rank() * chunk, t.shape[0])
+    return t.to_local(), start, min(start + chunk, t.shape[0])
+
+
+def base_fingerprint(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> str:
+    """A digest of the frozen parameters (names, dtypes, shapes, sums and absolute sums, to 9 significant digits).
 
     A LoRA checkpoint holds only what trains and a resume rebuilds the base from ``model.name_or_path``: a base that
     changed in between (another revision, a rewritten local directory, another dtype) would resume silently inexact.
-    The trainer stores this digest in each checkpoint and refuses a resume onto a base with another one.
+    The trainer stores this digest in each checkpoint and refuses a resume onto a base with another one. On a sharded
+    model each rank sums its shards and ``reduce`` (an all-reduce sum over the ranks, on a CPU float64 tensor) adds
+    them up; the rounding to 9 digits makes the digest the same for any number of ranks.
     """
     import hashlib
 
-    digest = hashlib.sha256()
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    sums = torch.zeros(len(frozen), 2, dtype=torch.float64)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                continue
-            total = absolute = 0.0
-            for chunk in p.detach().reshape(-1).split(1 << 24):  # float64 in 128 MB pieces, not a copy of the tensor
+        for i, (_, p) in enumerate(frozen):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            for chunk in local.detach().reshape(-1).split(1 << 24):  # float64 in 128 MB pieces, never a whole copy
                 c = chunk.double()
-                total, absolute = total + float(c.sum()), absolute + float(c.abs().sum())
-            digest.update(f"{name} {p.dtype} {tuple(p.shape)} {total!r} {absolute!r};".encode())
+                sums[i, 0] += c.sum().cpu()
+                sums[i, 1] += c.abs().sum().cpu()
+    if reduce is not None:
+        sums = reduce(sums)
+    digest = hashlib.sha256()
+    for (name, p), (total, absolute) in zip(frozen, sums.tolist(), strict=True):
+        digest.update(f"{name} {p.dtype} {tuple(p.shape)} {total:.9g} {absolute:.9g};".encode())
     return digest.hexdigest()[:16]

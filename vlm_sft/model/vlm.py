@@ -4,7 +4,7 @@ The module tree and parameter names equal transformers' ``Qwen3_5ForConditionalG
 is their ``Qwen3_5VisionModel`` unchanged, ``model.language_model.*`` is ``Qwen3_5TextDecoder``, plus
 ``lm_head.weight``), so Hugging Face checkpoints load and save without renaming. A ``Qwen3_5MoeConfig`` builds the
 MoE family the same way (``Qwen3_5MoeForConditionalGeneration``'s names: ``Qwen3_5MoeVisionModel``, a
-``moe.SparseMoeBlock`` MLP per layer); its checkpoints hold per-expert keys on disk (see ``checkpoint_io``).
+``moe.SparseMoeBlock`` MLP per layer); its checkpoints hold per-expert keys on disk (see ``vlm_sft.checkpoint.hf_dir``).
 
 Forward layout: ``input_ids`` ``[B, L]`` is flattened row-major to T = B * L tokens; ``seq_lens`` splits them
 into segments (samples and padding) that never see each other. The vision tower runs exactly once per forward,
@@ -17,12 +17,9 @@ Legend: B = rows, L = row length, T = B * L tokens, D = hidden size, V = vocab, 
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,7 +29,6 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 
 from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 from vlm_sft.model.backends import Backends, resolve_backends
-from vlm_sft.model.checkpoint_io import fuse_experts, load_hf_state_dict, resolve_checkpoint_dir, save_hf_checkpoint
 from vlm_sft.model.context_parallel import NO_CP, ContextParallel, check_heads, split_images
 from vlm_sft.model.layers import init_text_weights
 from vlm_sft.model.load_balance import RouterStats, router_stats
@@ -42,9 +38,6 @@ from vlm_sft.model.text_model import Qwen3_5TextDecoder
 from vlm_sft.model.varlen import Segments
 
 logger = logging.getLogger(__name__)
-
-_IGNORED_CHECKPOINT_PREFIXES = ("mtp.",)
-"""Checkpoint keys we drop on load: the multi-token-prediction head of the hub checkpoints (unused here too)."""
 
 
 @dataclass(frozen=True)
@@ -75,8 +68,9 @@ class _Qwen3_5Core(nn.Module):
 class Qwen3_5VLM(nn.Module):
     """Qwen3.5 vision-language model for packed SFT; see the module docstring for the layout.
 
-    Build with ``build_model`` (random init) or ``Qwen3_5VLM.from_pretrained`` (HF checkpoint); both resolve the
-    op backends once for the target device and store them on ``backends``.
+    Build with ``build_model`` (random init) or ``vlm_sft.checkpoint.from_pretrained`` (HF checkpoint); both resolve
+    the op backends once for the target device and store them on ``backends``. The model reads and writes no files:
+    checkpoints are ``vlm_sft.checkpoint``'s.
     """
 
     def __init__(
@@ -314,88 +308,18 @@ class Qwen3_5VLM(nn.Module):
         n_slots, n_bad, n_patches = counts.tolist()
         return n_slots, n_bad, n_patches
 
-    # ------------------------------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------------------------------ loading
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        dir_or_hub_id: str | os.PathLike,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        attn_impl: str = "auto",
-        linear_attn_impl: str = "auto",
-        loss_impl: str = "auto",
-        experts_impl: str = "auto",
-        freeze_vision: bool = True,
-        activation_checkpointing: bool = False,
-        revision: str | None = None,
-    ) -> Qwen3_5VLM:
-        """Loads a Hugging Face Qwen3.5 or Qwen3.5-MoE checkpoint (local dir or hub id; sharded or single safetensors).
-
-        The family follows ``config.json``'s ``model_type`` (``qwen3_5_moe``: the MoE model). MoE experts are read
-        in transformers' per-expert on-disk form or the fused in-memory form.
-
-        ``dtype`` None means float32 (master weights for training; bf16 compute comes from autocast). The model
-        is built on the meta device and the checkpoint tensors are assigned in, so nothing is initialized twice.
-        Keys of the multi-token-prediction head (``mtp.*``) are dropped; any other missing or unexpected key
-        raises.
-        """
-        path = resolve_checkpoint_dir(dir_or_hub_id, revision=revision)
-        config = _load_config(path)
-        dtype = torch.float32 if dtype is None else dtype
-        device = torch.device(device if device is not None else "cpu")
-        backends = resolve_backends(
-            device, attn_impl=attn_impl, linear_attn_impl=linear_attn_impl, loss_impl=loss_impl,
-            experts_impl=experts_impl,
-        )  # fmt: skip
-        with torch.device("meta"):
-            model = cls(
-                config, backends, freeze_vision=freeze_vision, activation_checkpointing=activation_checkpointing
-            )
-        state = load_hf_state_dict(path, device=device, dtype=dtype)
-        if isinstance(config, Qwen3_5MoeConfig):
-            state = fuse_experts(state)
-        dropped = [k for k in state if k.startswith(_IGNORED_CHECKPOINT_PREFIXES)]
-        for k in dropped:
-            del state[k]
-        if dropped:
-            logger.info("%s: ignored %d checkpoint tensors of unused heads (%s)", path, len(dropped), "mtp.*")
-        if model.tied_embeddings:
-            state.pop("lm_head.weight", None)
-        expected = set(model.state_dict())
-        if model.tied_embeddings:
-            expected.discard("lm_head.weight")
-        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {path} does not match Qwen3_5VLM: missing {missing[:8]}{'...' if len(missing) > 8 else ''}"
-                f", unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
-            )
-        model.load_state_dict(state, strict=False, assign=True)
-        model.tie_weights()
-        model._materialize_buffers(device)
-        model.set_vision_trainable(not freeze_vision)
-        logger.info("loaded %s (%s on %s; backends %s)", path, dtype, device, backends)
-        return model
-
-    def _materialize_buffers(self, device: torch.device) -> None:
-        """Recomputes the vision tower's non-persistent rotary buffers after a meta-device build."""
+    def init_buffers(self, device: torch.device) -> None:
+        """Recomputes the vision tower's non-persistent rotary buffers after a meta-device build (``to_empty``
+        leaves them uninitialized, and no checkpoint holds them)."""
         for module in self.model.visual.modules():
             if hasattr(module, "compute_axial_rope_parameters") and hasattr(module, "inv_freq"):
                 inv_freq, _ = module.compute_axial_rope_parameters(module.config)
                 module.inv_freq = inv_freq.to(device)
                 module.original_inv_freq = inv_freq.clone().to(device)
         leftovers = [n for n, t in [*self.named_parameters(), *self.named_buffers()] if t.is_meta]
-        assert not leftovers, f"tensors left on the meta device after loading: {leftovers}"
-
-    def save_pretrained(self, save_dir: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> Path:
-        """Writes config.json + (sharded) safetensors that transformers' ``Qwen3_5ForConditionalGeneration`` (or
-        ``Qwen3_5MoeForConditionalGeneration``, experts written per expert) loads."""
-        state = {k: v.detach() for k, v in self.state_dict().items()}
-        if self.tied_embeddings:
-            state.pop("lm_head.weight", None)
-        return save_hf_checkpoint(state, self.config, save_dir, max_shard_size=max_shard_size)
+        assert not leftovers, f"tensors left on the meta device after materializing: {leftovers}"
 
 
 def _check_shapes(input_ids, position_ids, mm_token_type_ids, target_ids, loss_mask, router_mask) -> None:
@@ -414,15 +338,6 @@ def _check_shapes(input_ids, position_ids, mm_token_type_ids, target_ids, loss_m
     ):  # fmt: skip
         if value is not None and value.shape != input_ids.shape:
             raise ValueError(f"{name} shape {tuple(value.shape)} != input_ids shape {tuple(input_ids.shape)}")
-
-
-def _load_config(path: Path) -> Qwen3_5Config | Qwen3_5MoeConfig:
-    """The checkpoint's config: ``Qwen3_5MoeConfig`` when ``config.json`` says ``qwen3_5_moe``, else ``Qwen3_5Config``."""
-    config_file = path / "config.json"
-    model_type = json.loads(config_file.read_text()).get("model_type") if config_file.is_file() else None
-    if model_type == Qwen3_5MoeConfig.model_type:
-        return Qwen3_5MoeConfig.from_pretrained(path)
-    return Qwen3_5Config.from_pretrained(path)
 
 
 def build_model(

@@ -10,14 +10,14 @@ model's state dict holds, for each adapted linear ``X``::
 and the layer computes ``x @ (W + alpha / r * B @ A).T`` (peft's ``scaling = lora_alpha / r`` without rsLoRA).
 Two ways out, both loadable without our code:
 
-* ``merged_state_dict``: the plain model's state dict with ``W + alpha / r * B @ A`` folded in, for
-  ``save_hf_checkpoint`` (transformers and vLLM load it as a full model).
+* ``merged_state_dict``: the plain model's state dict with ``W + alpha / r * B @ A`` folded in (transformers and vLLM
+  load it as a full model); ``export`` does the same merge module by module while it streams a sharded model.
 * ``save_adapter``: ``adapter_model.safetensors`` + ``adapter_config.json`` in the layout
   ``peft.PeftModel.from_pretrained`` reads onto transformers' ``Qwen3_5ForConditionalGeneration``, whose module paths
   equal ours (``model.language_model.layers.0.mlp.gate_proj``). Keys are ``base_model.model.X.lora_A.weight``: what
   ``get_peft_model_state_dict`` writes (the PeftModel's ``base_model.model.`` prefix, the adapter name removed).
 
-Inputs are full (unsharded) state dicts, e.g. from ``vlm_sft.trainer.checkpoint.full_state_dict`` on rank 0.
+Inputs are full (unsharded) state dicts; ``export.export_adapter`` gathers a sharded model's trainable tensors.
 """
 
 from __future__ import annotations
@@ -35,20 +35,20 @@ from vlm_sft.model.lora import ADAPTER_NAME, is_saved_module  # ADAPTER_NAME: le
 PEFT_PREFIX = "base_model.model."
 """What a PeftModel (LoraModel inside PeftModel) puts before the wrapped model's parameter names."""
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_BASE = ".base_layer."
-_LORA_A = f".lora_A.{ADAPTER_NAME}.weight"
-_LORA_B = f".lora_B.{ADAPTER_NAME}.weight"
+BASE_LAYER = ".base_layer."
+LORA_A = f".lora_A.{ADAPTER_NAME}.weight"
+LORA_B = f".lora_B.{ADAPTER_NAME}.weight"
 
 
-def _lora_modules(state: dict[str, torch.Tensor]) -> list[str]:
+def lora_modules(state: dict[str, torch.Tensor]) -> list[str]:
     """Names of the adapted modules, checked to hold exactly A and B of the one supported adapter."""
     lora_keys = [k for k in state if ".lora_" in k]
-    modules = sorted(k.removesuffix(_LORA_A) for k in lora_keys if k.endswith(_LORA_A))
-    expected = {m + s for m in modules for s in (_LORA_A, _LORA_B)}
+    modules = sorted(k.removesuffix(LORA_A) for k in lora_keys if k.endswith(LORA_A))
+    expected = {m + s for m in modules for s in (LORA_A, LORA_B)}
     if set(lora_keys) != expected:
         odd = sorted(set(lora_keys) ^ expected)
         raise ValueError(
-            f"LoRA keys other than '<module>{_LORA_A}' / '<module>{_LORA_B}' pairs: {odd[:6]}; only plain LoRA "
+            f"LoRA keys other than '<module>{LORA_A}' / '<module>{LORA_B}' pairs: {odd[:6]}; only plain LoRA "
             f"(no DoRA, embeddings, or adapters other than '{ADAPTER_NAME}') is exported"
         )
     return modules
@@ -60,7 +60,7 @@ def _check_full(state: dict[str, torch.Tensor]) -> None:
     if sharded:
         raise ValueError(
             f"state dict holds sharded tensors ({sharded[:3]}); pass the full state dict "
-            "(vlm_sft.trainer.checkpoint.full_state_dict(model), on rank 0)"
+            "(vlm_sft.checkpoint.export.export_adapter gathers a sharded model's trainable tensors one by one)"
         )
 
 
@@ -72,13 +72,13 @@ def merged_state_dict(state: dict[str, torch.Tensor], *, alpha: float, r: int) -
     dropped. ``r`` is checked against A's shape: a wrong ``r`` would silently rescale the update.
     """
     _check_full(state)
-    modules = _lora_modules(state)
-    out = {k.replace(_BASE, "."): v for k, v in state.items() if ".lora_" not in k}
+    modules = lora_modules(state)
+    out = {k.replace(BASE_LAYER, "."): v for k, v in state.items() if ".lora_" not in k}
     for m in modules:
-        base_key = m + _BASE + "weight"
+        base_key = m + BASE_LAYER + "weight"
         if base_key not in state:
             raise ValueError(f"{m}: LoRA weights without a base weight ({base_key})")
-        a, b, base = state[m + _LORA_A], state[m + _LORA_B], state[base_key]
+        a, b, base = state[m + LORA_A], state[m + LORA_B], state[base_key]
         if a.shape[0] != r or b.shape[1] != r:
             raise ValueError(f"{m}: A {tuple(a.shape)} and B {tuple(b.shape)} have rank {a.shape[0]}, not r={r}")
         delta = (alpha / r) * (b.float() @ a.float())
@@ -98,8 +98,8 @@ def adapter_state_dict(state: dict[str, torch.Tensor], modules_to_save: Sequence
     its trained copy without its ``modules_to_save.default`` segment and restores it on load)."""
     _check_full(state)
     out: dict[str, torch.Tensor] = {}
-    for m in _lora_modules(state):
-        for part, key in (("lora_A", _LORA_A), ("lora_B", _LORA_B)):
+    for m in lora_modules(state):
+        for part, key in (("lora_A", LORA_A), ("lora_B", LORA_B)):
             out[f"{PEFT_PREFIX}{m}.{part}.weight"] = state[m + key]
     saved = saved_module_keys(state, modules_to_save)
     found = {k.rsplit(".", 2)[-2] for k in saved}
@@ -121,7 +121,7 @@ def _check_targets(parameter_names: Sequence[str], modules: list[str], target_mo
     that the file does not hold: its missing-keys warning then fires, and the tower runs with zero-initialized B.
     """
     weighted = {
-        k.removesuffix(".weight").removesuffix(_BASE.rstrip(".")) for k in parameter_names if k.endswith(".weight")
+        k.removesuffix(".weight").removesuffix(BASE_LAYER.rstrip(".")) for k in parameter_names if k.endswith(".weight")
     }
     selected = {n for n in weighted if ".lora_" not in n and _matches(n, target_modules)}
     if selected != set(modules):
@@ -155,13 +155,13 @@ def save_adapter(
     """
     from peft import LoraConfig  # only needed to export adapters; keeps peft off the plain model's import path
 
-    modules = _lora_modules(state)
+    modules = lora_modules(state)
     if not modules:
         raise ValueError("state dict has no LoRA weights: was the adapter injected before taking the state dict?")
     _check_targets(list(state) if parameter_names is None else parameter_names, modules, target_modules)
     for m in modules:
-        if state[m + _LORA_A].shape[0] != r:
-            raise ValueError(f"{m}: A has rank {state[m + _LORA_A].shape[0]}, not r={r}")
+        if state[m + LORA_A].shape[0] != r:
+            raise ValueError(f"{m}: A has rank {state[m + LORA_A].shape[0]}, not r={r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapter_state_dict(state, modules_to_save).items()}
