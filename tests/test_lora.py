@@ -12,6 +12,7 @@ import pytest
 import torch
 from train_helpers import LEARNING_CHECK, Background, read_metrics, run_training, tiny_run_args
 
+from vlm_sft.checkpoint.export import save_pretrained
 from vlm_sft.config import ConfigError, load_config
 from vlm_sft.trainer import build
 
@@ -112,7 +113,7 @@ def test_adapters_start_the_same_on_a_base_loaded_in_bf16(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     from vlm_sft.model import build_model, tiny_qwen3_5_config
 
-    build_model(tiny_qwen3_5_config()).save_pretrained(checkpoint)
+    save_pretrained(build_model(tiny_qwen3_5_config()), checkpoint)
     starts = []
     for dtype in ("bfloat16", "float32"):
         where = ["--model.name_or_path", str(checkpoint), "--model.initializer_range", "null"]
@@ -168,8 +169,8 @@ def _assert_only_adapters_moved(run: Path, args: list[str], tmp: Path) -> None:
     run's starting base (rebuilt from the same seeds) with the trained adapter and head, so no base weight moved."""
     from safetensors.torch import load_file
 
-    from vlm_sft.model.checkpoint_io import load_hf_state_dict
-    from vlm_sft.model.lora_export import PEFT_PREFIX, merged_state_dict
+    from vlm_sft.checkpoint.hf_dir import load_hf_state_dict
+    from vlm_sft.checkpoint.lora_export import PEFT_PREFIX, merged_state_dict
 
     cfg = load_config(None, args)
     start = build.build_model(cfg, torch.device("cpu")).state_dict()

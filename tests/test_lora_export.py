@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,10 +13,10 @@ from peft import LoraConfig, PeftModel, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForConditionalGeneration
 
+from vlm_sft.checkpoint.export import save_pretrained
+from vlm_sft.checkpoint.lora_export import ADAPTER_WEIGHTS, adapter_state_dict, merged_state_dict, save_adapter
 from vlm_sft.data.mrope import batch_position_ids
 from vlm_sft.model import build_model, tiny_qwen3_5_config
-from vlm_sft.model.checkpoint_io import save_hf_checkpoint
-from vlm_sft.model.lora_export import ADAPTER_WEIGHTS, adapter_state_dict, merged_state_dict, save_adapter
 
 R, ALPHA = 4, 8.0
 PATCH_ROW = 3 * 2 * 16 * 16  # channels x temporal patch x patch x patch of the tiny vision tower
@@ -115,9 +116,10 @@ def test_merged_bf16_base_rounds_once(adapted):
     assert torch.equal(merged[name], exact.to(torch.bfloat16))
 
 
-def test_merged_checkpoint_loads_in_transformers(adapted, batch, cfg, expected, tmp_path):
-    _, _, state, _ = adapted
-    save_hf_checkpoint(merged_state_dict(state, alpha=ALPHA, r=R), cfg, tmp_path)
+def test_merged_checkpoint_loads_in_transformers(adapted, batch, expected, tmp_path):
+    """The trainer's export of the adapted model (merged module by module as it streams)."""
+    _, model, _, _ = adapted
+    save_pretrained(model, tmp_path, lora=SimpleNamespace(r=R, alpha=ALPHA))
     theirs = Qwen3_5ForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert close(theirs_logits(theirs, batch), expected)
 
@@ -137,7 +139,9 @@ def folders(adapted, cfg, tmp_path_factory):
     """(base HF dir without LoRA, adapter folder)."""
     base, _, state, targets = adapted
     tmp = tmp_path_factory.mktemp("lora")
-    save_hf_checkpoint(base, cfg, tmp / "base")
+    plain = build_model(cfg, dtype=torch.float32)
+    plain.load_state_dict(base)
+    save_pretrained(plain, tmp / "base")
     save_adapter(
         tmp / "adapter",
         state,

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from train_helpers import launch_env, tiny_run_args
 
+from vlm_sft.checkpoint.export import save_pretrained
 from vlm_sft.config import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
@@ -376,7 +377,7 @@ def write_tiny_checkpoint(directory: Path) -> Path:
 
     processor = load_tiny_processor()
     torch.manual_seed(0)
-    build_model(tiny_qwen3_5_config()).save_pretrained(directory)
+    save_pretrained(build_model(tiny_qwen3_5_config()), directory)
     save_processor(directory, processor, processor.tokenizer)
     return directory
 

@@ -252,3 +252,19 @@ def cleanup(env: DistEnv) -> None:
     """Leave the process group (every rank, at exit, success or failure)."""
     if env.sharded and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of a sharded DTensor (an all-gather every rank must join, in the same order), waited for.
+
+    ``DTensor.full_tensor`` may return an ``AsyncCollectiveTensor`` whose collective is still in flight; a rank that
+    drops it unread (the export's and the self-check's non-writing ranks) would leave gloo work pending when the
+    process group is destroyed, which aborts the process at exit ("terminate called without an active exception").
+    A plain tensor is returned as it is."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    full = t.full_tensor()
+    return full.wait() if isinstance(full, AsyncCollectiveTensor) else full
