@@ -18,8 +18,10 @@ Method, one part per table:
    ``data.num_workers`` = 0, 1, 2, 4, and one pass is drawn. Rates are over the whole pass, from building the
    batches to the end of the stream (the first batch included): with a 64-sample ``bfd`` buffer the first batch
    already waits for most of a short pass's rendering, so a clock started after it would count packs rendered
-   before it. One pass renders every image once (a second epoch would hit the renderer's image cache). The pack
-   stream differs with N (each worker packs its own share of the samples); the samples of a pass do not.
+   before it. One pass renders every image once (a second epoch would hit the renderer's image cache). The data is
+   cut into 4 streams (``DataLayout(streams_per_micro_batch=4)``: 1, 2 and 4 workers share them evenly), so the pack
+   stream is the same for every N; the drawn pass ends when the first stream runs out (the other streams' last
+   packs are not drawn).
    ``--reps`` repetitions (default 2), the worker counts interleaved in a rotating order; medians, and ``vs 1`` a
    ratio against one worker within each repetition, then the median. A worker runs torch with one thread, and so
    does the main process here (``workers = 0``). Also timed alone: JPEG decode and the image processor per image.
@@ -69,7 +71,7 @@ from vlm_sft.config import load_config
 from vlm_sft.data.sources import rows_to_dataset
 from vlm_sft.flops import PEAK_BF16_DENSE_FLOPS, batch_flops, qwen3_5_0_8b_config
 from vlm_sft.trainer import build
-from vlm_sft.trainer.batches import TrainBatches, resolve_num_workers
+from vlm_sft.trainer.batches import DataLayout, TrainBatches, resolve_num_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "data.json"
@@ -182,9 +184,10 @@ def draw_pass(cfg, source, processor, *, workers: int, pad_id: int, limit: int |
     27 of these images) into this one, and forked workers would inherit it."""
     renderer = build.build_renderer(cfg, processor)
     shape = qwen3_5_0_8b_config()
-    pipelines = dataclasses.replace(build.TrainPipelines(cfg, source, renderer, rank=0, world_size=1), epochs=1)
+    pipelines = dataclasses.replace(build.TrainPipelines(cfg, source, renderer), epochs=1)
     start = time.perf_counter()
-    batches = TrainBatches(pipelines, pad_id=pad_id, num_workers=workers, prefetch=cfg.data.prefetch_packs)
+    layout = DataLayout(streams_per_micro_batch=4)  # 1, 2 and 4 workers divide its 4 streams
+    batches = TrainBatches(pipelines, layout, pad_id=pad_id, num_workers=workers, prefetch=cfg.data.prefetch_packs)
     first, real, images, flops = None, 0, 0, 0.0
     count = 0
     for batch in batches:

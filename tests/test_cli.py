@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
+from vlm_sft.checkpoint.state import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.config import REPO_ROOT, ConfigError, config_from_cli, load_config
-from vlm_sft.trainer.checkpoint import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.trainer.distributed import DistEnv
 from vlm_sft.trainer.optim import build_scheduler
 

@@ -194,12 +194,20 @@ def _free_port() -> int:
 
 
 def test_a_failure_on_one_rank_stops_every_rank_with_the_message_once(tmp_path):
-    """Rank 1 cannot open its part of the checkpoint to resume from; rank 0 can. Without the agreement rank 0
-    would walk into the checkpoint's collectives alone and wait (on NCCL: until the 10-minute timeout)."""
+    """Rank 1 cannot read its part of the checkpoint to resume from (its RNG state); rank 0 can. Without the
+    agreement rank 0 would walk into the checkpoint's collectives alone and wait (on NCCL: until the 10-minute
+    timeout)."""
+    from vlm_sft.checkpoint.state import TRAINER_STATE, capture_rng, data_file, rng_file, write_rng
+
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "COMPLETE").write_text("step 3, world size 2\n")
-    torch.save({"step": 3}, ckpt / "rank00000.pt")  # rank00001.pt is missing
+    state = {"format": 1, "step": 3, "world_size": 2, "scheduler": {}, "param_groups": [], "extra": {}}
+    (ckpt / TRAINER_STATE).write_text(json.dumps(state))
+    for rank in (0, 1):
+        (ckpt / data_file(rank)).write_text("{}")
+    write_rng(ckpt / rng_file(0), capture_rng())
+    (ckpt / rng_file(1)).write_bytes(b"damaged")
     args = tiny_run_args(tmp_path, **{"train.resume": str(ckpt)})
     port = _free_port()
     procs = []
@@ -216,7 +224,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_message_once(tmp_path):
     err = [e.decode() for _, e in outputs]
     assert [p.returncode for p in procs] == [1, 1], err
     assert "stopped: rank 1 failed while opening the checkpoint" in err[0]
-    assert (err[0] + err[1]).count("rank00001.pt is missing") == 1, err
+    assert (err[0] + err[1]).count("rng-rank00001.safetensors is not an RNG state file") == 1, err
     assert elapsed < 60, elapsed  # start-up included; the failure itself ends both ranks at once
 
 

@@ -1,5 +1,5 @@
 """Streaming rows (``vlm_sft.data.streaming``) over local parquet / jsonl shards: every row once per epoch over the
-(rank, worker) shards, and a resume that yields the packs of the uninterrupted run without rendering the consumed
+shards (the trainer's data streams), and a resume that yields the packs of the uninterrupted run without rendering the consumed
 rows again, in the main process and through DataLoader workers."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from renderers.types import RenderedSample
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.streaming import StreamingRows, local_files
 from vlm_sft.data.synthetic import TextSpan, compose_sample, random_spans
-from vlm_sft.trainer.batches import TrainBatches
+from vlm_sft.trainer.batches import DataLayout, TrainBatches
 
 NUM_FILES, ROWS_PER_FILE = 4, 25
 NUM_ROWS = NUM_FILES * ROWS_PER_FILE
@@ -243,16 +243,15 @@ def test_pickled_copy_carries_settings_not_the_reader(parquet_dir):
 
 
 # -- through DataLoader workers -------------------------------------------------------------------------------------
-class StreamShares:
-    """``(share, shares) -> pipeline`` of rank ``rank`` of ``world_size``: share ``k`` streams shard
-    ``rank * shares + k`` of ``world_size * shares`` (what the trainer gives every (rank, worker) pair)."""
+class Streams:
+    """``(stream, streams) -> pipeline``: stream ``stream`` of ``streams`` is shard ``stream`` (what the trainer's
+    ``TrainPipelines`` gives each global data stream)."""
 
-    def __init__(self, source: str, rank: int, world_size: int) -> None:
-        self.source, self.rank, self.world_size = source, rank, world_size
+    def __init__(self, source: str) -> None:
+        self.source = source
 
-    def __call__(self, share: int, shares: int) -> PackingPipeline:
-        rows = _rows(self.source, self.rank * shares + share, self.world_size * shares)
-        return _pipeline(rows, epochs=None)
+    def __call__(self, stream: int, streams: int) -> PackingPipeline:
+        return _pipeline(_rows(self.source, stream, streams), epochs=None)
 
 
 def _take(batches: TrainBatches, n: int) -> list[tuple[tuple, torch.Tensor]]:
@@ -260,16 +259,17 @@ def _take(batches: TrainBatches, n: int) -> list[tuple[tuple, torch.Tensor]]:
 
 
 def test_train_batches_with_workers_resume(parquet_dir):
-    shares = StreamShares(parquet_dir, rank=1, world_size=2)
-    n, cut = 24, 7  # 2 shares of 25 rows, about 8 packs an epoch each: the run crosses an epoch boundary
-    full = _take(TrainBatches(shares, pad_id=0, num_workers=2, prefetch=2), n)
-    first = TrainBatches(shares, pad_id=0, num_workers=2, prefetch=2)
+    streams = Streams(parquet_dir)
+    layout = DataLayout(dp_rank=1, dp_size=2, streams_per_micro_batch=2)  # 4 streams; rank 1 reads streams 1 and 3
+    n, cut = 24, 7  # 2 streams of 25 rows, about 8 packs an epoch each: the run crosses an epoch boundary
+    full = _take(TrainBatches(streams, layout, pad_id=0, num_workers=2, prefetch=2), n)
+    first = TrainBatches(streams, layout, pad_id=0, num_workers=2, prefetch=2)
     head = _take(first, cut)
     state = json.loads(json.dumps(first.state_dict()))
     del first
-    tail = _take(TrainBatches(shares, pad_id=0, num_workers=2, prefetch=2, state=state), n - cut)
+    tail = _take(TrainBatches(streams, layout, pad_id=0, num_workers=2, prefetch=2, state=state), n - cut)
     assert len(head + tail) == len(full) == n
     for k, ((ia, xa), (ib, xb)) in enumerate(zip(head + tail, full, strict=True)):
         assert ia == ib and torch.equal(xa, xb), f"batch {k} differs after the resume"
-    row_ids = {int(x[0, 0]) for _, x in full}
-    assert row_ids <= set(range(2 * ROWS_PER_FILE, 4 * ROWS_PER_FILE)), "rank 1's shares are files 2 and 3"
+    files = {int(x[0, 0]) // ROWS_PER_FILE for _, x in full}
+    assert files == {1, 3}, "4 files for 4 streams: stream k reads file k"

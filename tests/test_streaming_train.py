@@ -37,6 +37,7 @@ def _args(tmp: Path, shards: tuple[Path, Path], **extra: object) -> list[str]:
             "data.image_root": str(image_root),
             "data.streaming": True,
             "data.num_workers": 2,
+            "data.streams_per_micro_batch": 2,  # 2 ranks x 1 micro-batch x 2 = 4 streams: one file each
             "data.bfd_buffer": 8,
             "train.max_steps": 8,
             "train.save_every": 4,

@@ -51,8 +51,8 @@ def one_rank_run(rank_runs) -> Path:
 def test_two_ranks_equal_one_rank_with_more_micro_batches(rank_runs):
     """2 ranks x 2 micro-batches see the same packs per step as 1 rank x 4: same losses and parameters.
 
-    The pack stream depends on ranks x data workers only, so the 1-rank run has 2 workers and each rank here has
-    one share (packed in the training process).
+    The packs of a step depend on the global batch only (4 here), never on the ranks or the data workers: the 1-rank
+    run packs in 2 workers, the ranks here in the training process.
 
     The 2-rank run has one held-out sample, so rank 1's share of eval packs is empty: it must still take part in
     eval (FSDP gathers parameters in every forward) instead of leaving rank 0 waiting."""
@@ -87,8 +87,8 @@ def test_final_checkpoint_loads_in_transformers_with_same_logits(one_rank_run):
     from transformers import Qwen3_5ForConditionalGeneration
 
     from processors import load_processor
+    from vlm_sft.checkpoint.load import from_pretrained
     from vlm_sft.data.mrope import batch_position_ids
-    from vlm_sft.model import Qwen3_5VLM
 
     final = one_rank_run / "final"
     processor = load_processor(final)
@@ -99,7 +99,7 @@ def test_final_checkpoint_loads_in_transformers_with_same_logits(one_rank_run):
     ]
     inputs = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
     theirs = Qwen3_5ForConditionalGeneration.from_pretrained(final, dtype=torch.float32).eval()
-    ours = Qwen3_5VLM.from_pretrained(final).eval()
+    ours = from_pretrained(final).eval()
     with torch.no_grad():
         ref = theirs(
             input_ids=inputs["input_ids"],
@@ -155,7 +155,7 @@ def test_mixed_modalities_across_ranks_finish(tmp_path, model):
     images = [(0, 1), (0, 1), (2, 1), (2, 1)]  # (rank 0, rank 1) per step
     rows = []
     for step, pair in enumerate(images):
-        for rank, n in enumerate(pair):  # unshuffled, one row per pack: rank r packs rows r, r + 2, ...
+        for rank, n in enumerate(pair):  # unshuffled, one row per pack: global micro-batch i is stream i's row i
             rows.append(_image_row(tmp_path, f"s{step}r{rank}", n) if n else _text_row())
     data = tmp_path / "mixed.jsonl"
     _write_rows(data, rows)
@@ -207,7 +207,7 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
     script = f"""
 import os, signal, torch
 import torch.distributed.checkpoint as dcp
-from vlm_sft.trainer import checkpoint as ck
+from vlm_sft.checkpoint import state as ck
 from vlm_sft.trainer.distributed import DistEnv
 env = DistEnv(0, 1, 0, torch.device("cpu"))
 model = torch.nn.Linear(4, 4)
@@ -226,7 +226,7 @@ ck.save_checkpoint({str(tmp_path)!r}, model=model, optimizer=opt, state=state, e
     proc = subprocess.run([sys.executable, "-c", script], env=launch_env(), cwd=REPO_ROOT, timeout=120)
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "checkpoints" / "step-000002.tmp").is_dir()
-    from vlm_sft.trainer.checkpoint import load_checkpoint, resolve_resume
+    from vlm_sft.checkpoint.state import load_checkpoint, resolve_resume
     from vlm_sft.trainer.distributed import DistEnv
 
     latest = resolve_resume("latest", tmp_path)

@@ -1,22 +1,30 @@
-"""Trainer building blocks on a toy model: decay groups, the schedule, atomic checkpoints and exact restore."""
+"""Trainer building blocks on a toy model: decay groups, the schedule, atomic checkpoints, exact restore into an
+uninitialized model, and a checkpoint that never runs code when read (no pickle anywhere)."""
 
 from __future__ import annotations
 
+import json
 import math
+import pickle
 
 import pytest
 import torch
 from torch import nn
 
-from vlm_sft.config import TrainConfig
-from vlm_sft.trainer.checkpoint import (
+from vlm_sft.checkpoint.state import (
+    TRAINER_STATE,
+    SafeReader,
     TrainerState,
     capture_rng,
     complete_checkpoints,
+    data_file,
     load_checkpoint,
     resolve_resume,
+    restore_rng,
+    rng_file,
     save_checkpoint,
 )
+from vlm_sft.config import TrainConfig
 from vlm_sft.trainer.distributed import DistEnv
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler, lr_factor, param_groups
 
@@ -92,6 +100,9 @@ def test_checkpoint_restores_exactly_and_keeps_last(tmp_path):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
 
     fresh = Toy()
+    with torch.no_grad():  # what a resume built on meta and materialized with to_empty holds: anything
+        for p in fresh.parameters():
+            p.fill_(float("nan"))
     opt2 = build_optimizer(fresh, cfg)
     sch2 = build_scheduler(opt2, cfg, 10)
     restored = load_checkpoint(resolve_resume("latest", tmp_path), model=fresh, optimizer=opt2, env=ENV)
@@ -107,7 +118,64 @@ def test_interrupted_save_is_never_loaded(tmp_path):
     save_checkpoint(tmp_path, model=model, optimizer=opt, state=state, env=ENV, keep_last=2)
     half = tmp_path / "checkpoints" / "step-000002.tmp"
     half.mkdir()
-    (half / "rank00000.pt").write_bytes(b"partial")
+    (half / TRAINER_STATE).write_bytes(b"partial")
     assert resolve_resume("latest", tmp_path).name == "step-000001"
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         resolve_resume(str(half), tmp_path)
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: what a checkpoint from elsewhere could do to a reader that unpickles."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _saved(tmp_path):
+    model = Toy()
+    opt = build_optimizer(model, TrainConfig())
+    model(torch.tensor([1, 2])).backward()
+    opt.step()
+    rng = capture_rng()
+    state = TrainerState(step=1, scheduler={}, data={"streams": {"0": {"epoch": 0}}}, rng=rng, extra={"n": 1})
+    return save_checkpoint(tmp_path, model=model, optimizer=opt, state=state, env=ENV, keep_last=2), model, opt
+
+
+def test_checkpoint_holds_no_pickled_entry_and_restores_the_rng(tmp_path):
+    path, _, opt = _saved(tmp_path)
+    before = torch.rand(3)
+    metadata = SafeReader(str(path)).read_metadata()
+    kinds = {type(v).__name__ for v in metadata.state_dict_metadata.values()}
+    assert kinds == {"TensorStorageMetadata"}  # DCP writes any other value as a pickle (BytesStorageMetadata)
+    groups = json.loads((path / TRAINER_STATE).read_text())["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [g["weight_decay"] for g in opt.param_groups]
+    fresh = Toy()
+    opt2 = build_optimizer(fresh, TrainConfig())
+    state = load_checkpoint(path, model=fresh, optimizer=opt2, env=ENV)
+    assert state.extra == {"n": 1} and state.world_size == 1
+    assert opt2.param_groups[0]["betas"] == opt.param_groups[0]["betas"]  # a tuple again after JSON
+    restore_rng(state.rng)
+    assert torch.equal(torch.rand(3), before)
+
+
+@pytest.mark.parametrize("victim", [TRAINER_STATE, data_file(0), rng_file(0), ".metadata"])
+def test_a_pickle_in_the_checkpoint_is_never_executed(tmp_path, victim):
+    path, _, _ = _saved(tmp_path)
+    marker = tmp_path / "pwned"
+    (path / victim).write_bytes(pickle.dumps(_Payload(str(marker))))
+    fresh = Toy()
+    opt = build_optimizer(fresh, TrainConfig())
+    with pytest.raises((ValueError, pickle.UnpicklingError), match=r"not JSON|RNG state|refused"):
+        load_checkpoint(path, model=fresh, optimizer=opt, env=ENV)
+    assert not marker.exists()
+
+
+def test_an_old_pickled_checkpoint_is_refused_with_the_reason(tmp_path):
+    old = tmp_path / "step-000003"
+    old.mkdir()
+    (old / "rank00000.pt").write_bytes(b"a pickle")
+    with pytest.raises(ValueError, match=r"is a pickle .* never read"):
+        load_checkpoint(old, model=Toy(), optimizer=build_optimizer(Toy(), TrainConfig()), env=ENV)

@@ -198,10 +198,20 @@ class DataConfig(_Section):
     """Stop the run (with the skip report) when more than this fraction of the samples seen so far were skipped,
     checked once ``skip_check_after`` samples were seen (or a whole pass, if shorter). 1 disables the check."""
     skip_check_after: int = Field(200, ge=1)
-    """Samples each data shard (one worker of one rank) must see before ``max_skip_fraction`` is enforced."""
+    """Samples each data stream (``streams_per_micro_batch``) must see before ``max_skip_fraction`` is enforced."""
     num_workers: int | None = Field(None, ge=0)
-    """Processes per rank that render and pack, each on a disjoint share of the rank's samples (0: in the training
-    process). None: one per spare core (at least 1 when the machine has a core beside each rank, at most 8)."""
+    """Processes per rank that render and pack the rank's data streams, dealt to them in turn (0: in the training
+    process). It must divide ``streams_per_micro_batch x train.micro_batches`` (otherwise the largest divisor below
+    it is used, and logged). None: one per spare core (at least 1 when the machine has a core beside each rank, at
+    most 8)."""
+    streams_per_micro_batch: int = Field(8, ge=1)
+    """The training data is cut into ``G = B x this`` streams, each packed on its own, with ``B`` the global batch
+    (processes / train.cp_size x train.micro_batches); global micro-batch ``i`` is the next pack of stream ``i % G``.
+    The packs of a step then depend on the global batch only, never on the number of processes or workers, and a
+    checkpoint resumes on any number of processes with the same global batch. Changing it changes the data order (a
+    resume refuses it). A rank reads ``this x train.micro_batches`` streams, which bounds its useful data workers;
+    each holds its own ``bfd_buffer``. Streaming sources read each stream's own files when their number is a
+    multiple of ``G`` (otherwise every stream reads every file)."""
     prefetch_packs: int = Field(8, ge=1)
     """Packs each worker prepares ahead of the training step (absorbs the ``bfd`` packer's refill bursts)."""
     streaming: bool = False
@@ -229,8 +239,9 @@ class TrainConfig(_Section):
     of the traffic, but each rank holds the whole model's unsharded fp32 gradient during the step, 4 bytes per
     parameter) or after every ``micro_batch`` (sharded gradients only: for models whose full gradient does not fit
     one GPU). The update is the same either way."""
-    lr: float = Field(1e-3, gt=0)
-    """Peak learning rate."""
+    lr: float = Field(1e-3, ge=0)
+    """Peak learning rate. 0 changes no weight (AdamW's decay is scaled by it too): a run that checks the pipeline,
+    e.g. that the export reproduces the input checkpoint bit for bit."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Cosine floor as a fraction of ``lr``."""
     schedule: Literal["cosine", "constant"] = "cosine"

@@ -15,9 +15,8 @@ two epochs. ``epochs=None`` repeats forever; a pass that yields no pack at all t
 than looping forever.
 
 Sharding: shard ``rank`` of ``world_size`` takes positions ``rank, rank + w, ...`` of every epoch's order and packs
-its own share. The trainer gives every (rank, data worker) pair its own shard: shard ``rank * workers + worker`` of
-``world_size * workers``, so the pack stream depends on that product only (2 ranks x 1 worker packs exactly what
-1 rank x 2 workers packs).
+its own share. The trainer's data streams are such shards (``vlm_sft.trainer.batches``: stream ``g`` of ``G`` is
+shard ``g``, whichever rank and worker reads it).
 
 Resume: ``state_dict()`` is small (ints and lists of sample indices: epoch, position in the epoch's order, the packer's
 decided-but-unyielded packs and undecided buffer, its round counter, the accounting); ``load_state_dict()``

@@ -5,7 +5,7 @@ prepare on local disk.
 parquet / jsonl file, a folder of such shards, or a hub dataset id) row by row and is both the ``order`` and the
 ``render_fn`` of one ``PackingPipeline``::
 
-    rows = StreamingRows("data/train/", row_to_sample=convert, shard=rank * workers + worker, num_shards=w * workers)
+    rows = StreamingRows("data/train/", row_to_sample=convert, shard=stream, num_shards=num_streams)
     pipeline = PackingPipeline(0, rows, order=rows, seq_len=..., pack_len=...)
 
 Order: rows are visited in shard order, never globally shuffled (a shuffle buffer cannot be resumed exactly). The
@@ -113,7 +113,7 @@ def open_stream(
 def _warn_uneven(source: str, file_shards: int, num_shards: int) -> None:
     """Once per process and setting: every shard reads the whole source when the files do not divide evenly."""
     logger.warning(
-        "streaming %s: %d file shard(s) is not a multiple of %d data shards (ranks x workers), so every shard reads "
+        "streaming %s: %d file shard(s) is not a multiple of %d data streams (data.streams_per_micro_batch x global batch), so every stream reads "
         "every file and keeps 1 row in %d; write a multiple of %d files to read each file once",
         source, file_shards, num_shards, num_shards, num_shards,
     )  # fmt: skip
@@ -289,7 +289,7 @@ class StreamingRows:
             dataset.load_state_dict(reader)
         self._dataset = dataset
         # ``iter(batch_size=1)`` rather than ``iter(dataset)``: inside a DataLoader worker the latter would split the
-        # shard once more between the workers, and this object already is one (rank, worker) shard.
+        # shard once more between the workers, and this object already is one data stream's shard.
         self._rows = dataset.iter(batch_size=1)
         self._epoch, self._next, self._cursor = epoch, first, reader
 

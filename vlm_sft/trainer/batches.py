@@ -1,30 +1,49 @@
-"""Training batches from the packing pipelines of one rank: in the main process or in N data worker processes.
+"""Training batches: one global sequence of micro-batches drawn from a fixed set of data streams, dealt to ranks and
+to their data workers so that the packs of every step depend on the global batch only.
 
-Rendering images and packing cost CPU time that worker processes overlap with the model's step. With N workers the
-rank's samples are split into N disjoint shares (``make_pipeline(share, N)``: each share is a pipeline shard of its
-own), worker ``k`` renders and packs one share, and the batches are taken from the workers in turn (share 0, 1, ...,
-N-1, 0, ...: torch's DataLoader keeps that order; a share whose finite stream ended drops out of the turn), so the
-stream is deterministic for a given N.
+**Streams.** The training data is cut into ``G = B * c`` streams: ``B`` is the global batch (data-parallel size x
+``train.micro_batches``: micro-batches per optimizer step over the whole job) and ``c`` is
+``data.streams_per_micro_batch``. Stream ``g`` is pipeline shard ``g`` of ``G`` (``make_pipeline(g, G)``), packed
+on its own. Global micro-batch ``i`` is the next pack of stream ``i % G``, and micro-batch ``j`` of data-parallel
+rank ``r`` in step ``s`` is global micro-batch ``i = s * B + r * m + j`` (``m`` micro-batches per rank). How many
+processes, context-parallel groups or data workers produced a step never changes its packs: 2 processes x 1
+micro-batch train on exactly the packs of 1 process x 2.
 
-Each batch travels with its share's pipeline state *after* it. ``state_dict()`` holds the latest state of every
-share plus which share comes next, i.e. exactly what the trainer consumed, never what workers built ahead of it. A
-resumed run restarts every share from its state and rotates the workers so the share that was next comes first: the
-packs after the resume are those of the uninterrupted run, for any N.
+**Ranks and workers.** Rank ``r`` therefore reads only the ``c * m`` streams of ``DataLayout.cycle()``, one per
+micro-batch, in that fixed cyclic order. Its ``n`` data workers split the cycle: worker ``w`` serves positions
+``w, w + n, w + 2n, ...`` of it, and torch's DataLoader, which takes one item from each worker in turn, hands them
+out in exactly the consumption order (``n`` must divide ``c * m``: otherwise the largest divisor below it is used,
+and logged). With 0 workers the training process serves them all, in order. A stream that runs out (finite epochs)
+yields an end marker instead of stopping, so the turn never shifts; the rank's data ends at that micro-batch and the
+trainer stops every rank there (``next_step_batches``).
+
+**Position.** Each batch travels with its stream's pipeline state *after* it. ``state_dict()`` is the state of
+every stream of this rank as the trainer consumed it (never what workers built ahead), plus the global micro-batch
+counter ``s * B`` and the layout that wrote it: a global position. A checkpoint stores every rank's part,
+``checkpoint.state.merge_positions`` joins them, and a resumed rank picks the streams it now owns: a run resumes
+exactly on any number of processes and workers with the same ``B`` and ``c`` (``check_position`` refuses anything
+else, with the fix).
+
+Cost: each stream packs with its own look-ahead buffer, so a rank holds ``c * m`` of them (``data.bfd_buffer``
+samples each) spread over its workers, and its first step waits for ``m`` of them to fill.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from vlm_sft.config import ConfigError
 from vlm_sft.data.accounting import DataAccounting
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
-from vlm_sft.data.pipeline import PackingPipeline
+from vlm_sft.data.pipeline import EmptyPassError, PackingPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +51,15 @@ MAX_AUTO_WORKERS = 8
 """``data.num_workers = None`` never starts more workers than this per rank (``bench/bench_data.py``: one H200 on
 the 0.8B model needs about 8 for 1-4 real-size images per sample)."""
 
+POSITION_FORMAT = 1
+"""Version of ``TrainBatches.state_dict()``; a checkpoint with another one is refused, never misread."""
+
 MakePipeline = Callable[[int, int], PackingPipeline]
-"""``(share, shares) -> pipeline`` of this rank's ``share``-th of ``shares`` disjoint parts of its samples."""
+"""``(stream, streams) -> pipeline`` of stream ``stream`` of ``streams`` (the data's pipeline shard ``stream``)."""
+
+Item = tuple[PackedBatch | None, int, dict | None]
+"""What a data worker yields: ``(batch, stream, stream's pipeline state after it)``; ``(None, stream, None)`` marks
+the end of a finite stream."""
 
 
 def auto_num_workers(local_world_size: int, cores: int | None = None) -> int:
@@ -53,82 +79,243 @@ def resolve_num_workers(setting: int | None, *, log: bool = False) -> int:
     return n
 
 
-class _ShareBatches(IterableDataset):
-    """Iterates ``(batch, share, pipeline state after it)``; in worker ``w`` the share is ``(w + offset) % shares``."""
+def dealt_workers(requested: int, cycle: int) -> int:
+    """The workers that can share a cycle of ``cycle`` streams in DataLoader's turn order: the largest divisor of
+    ``cycle`` not above ``requested`` (0 stays 0: the training process serves every stream)."""
+    if requested <= 0:
+        return 0
+    return max(d for d in range(1, min(requested, cycle) + 1) if cycle % d == 0)
 
-    def __init__(self, make_pipeline: MakePipeline, states: list[dict | None], offset: int, pad_id: int, merge: int):
-        self.make_pipeline = make_pipeline
-        self.states = states
-        self.offset = offset
-        self.pad_id = pad_id
-        self.merge = merge
 
-    def __iter__(self) -> Iterator[tuple[PackedBatch, int, dict]]:
+@dataclass(frozen=True)
+class DataLayout:
+    """Where one rank sits in the global sequence of micro-batches, and so which streams it reads (module
+    docstring)."""
+
+    dp_rank: int = 0
+    """This rank's data-parallel rank (the ranks of one context-parallel group share it, and their rows)."""
+    dp_size: int = 1
+    """Data-parallel size: world size / ``train.cp_size``."""
+    micro_batches: int = 1
+    """``train.micro_batches``: micro-batches per rank and optimizer step."""
+    streams_per_micro_batch: int = 8
+    """``data.streams_per_micro_batch`` (``c``)."""
+    cp_size: int = 1
+    """``train.cp_size``; recorded with a position to describe the run that wrote it."""
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.dp_rank < self.dp_size and self.micro_batches >= 1 and self.streams_per_micro_batch >= 1
+
+    @property
+    def global_batch(self) -> int:
+        """``B``: micro-batches per optimizer step over all data-parallel ranks."""
+        return self.dp_size * self.micro_batches
+
+    @property
+    def num_streams(self) -> int:
+        """``G = B * c``."""
+        return self.global_batch * self.streams_per_micro_batch
+
+    def global_index(self, local: int) -> int:
+        """The global micro-batch index of this rank's ``local``-th micro-batch (0-based, from the run's start)."""
+        step, j = divmod(local, self.micro_batches)
+        return step * self.global_batch + self.dp_rank * self.micro_batches + j
+
+    def cycle(self) -> list[int]:
+        """The ``c * m`` streams this rank reads, in the order it reads them (then again, forever)."""
+        return [
+            self.global_index(p) % self.num_streams for p in range(self.streams_per_micro_batch * self.micro_batches)
+        ]
+
+    def steps_before_end(self, stream: int, packs: int) -> int:
+        """Optimizer steps that find ``stream`` with packs left when it holds ``packs``: its ``packs + 1``-th visit
+        is global micro-batch ``stream + packs * G``, in step ``(stream + packs * G) // B``."""
+        return (stream + packs * self.num_streams) // self.global_batch
+
+    def to_dict(self) -> dict:
+        """The global part (no rank): what a checkpoint records, the same from every rank."""
+        return {
+            "world_size": self.dp_size * self.cp_size,
+            "cp_size": self.cp_size,
+            "micro_batches": self.micro_batches,
+            "global_batch": self.global_batch,
+            "streams_per_micro_batch": self.streams_per_micro_batch,
+            "streams": self.num_streams,
+        }
+
+
+def describe_layout(layout: Mapping) -> str:
+    """``2 processes x 1 micro-batch = global batch 2`` for a ``DataLayout.to_dict()``."""
+    world, cp, m = int(layout["world_size"]), int(layout["cp_size"]), int(layout["micro_batches"])
+    procs = f"{world} process{'es' if world != 1 else ''}" + (f" / train.cp_size {cp}" if cp > 1 else "")
+    return f"{procs} x {m} micro-batch{'es' if m != 1 else ''} = global batch {layout['global_batch']}"
+
+
+def check_position(state: Mapping, layout: DataLayout) -> None:
+    """Refuse a data position this run cannot continue exactly: another format, global batch or streams per
+    micro-batch (the error gives the numbers and the setting that fixes it)."""
+    if state.get("format") != POSITION_FORMAT:
+        raise ValueError(
+            f"the checkpoint's data position has format {state.get('format')!r} and this code reads "
+            f"{POSITION_FORMAT}: it was written by another version of vlm-sft; start the run afresh"
+        )
+    saved, now = state["layout"], layout.to_dict()
+    if saved["global_batch"] != layout.global_batch:
+        b = int(saved["global_batch"])
+        if b % layout.dp_size == 0:
+            fix = f"set train.micro_batches = {b // layout.dp_size}"
+        elif b % layout.micro_batches == 0:
+            n = b // layout.micro_batches * layout.cp_size
+            fix = f"launch {n} process{'es' if n != 1 else ''}"
+        else:
+            fix = f"choose processes / train.cp_size x train.micro_batches = {b}"
+        raise ConfigError(
+            f"the checkpoint was written with {describe_layout(saved)}; this run has {describe_layout(now)}: the "
+            f"packs of every step depend on the global batch, so {fix}"
+        )
+    if saved["streams_per_micro_batch"] != layout.streams_per_micro_batch:
+        raise ConfigError(
+            f"the checkpoint's data has {saved['streams']} streams (data.streams_per_micro_batch = "
+            f"{saved['streams_per_micro_batch']}); this run has {layout.num_streams}: set "
+            f"data.streams_per_micro_batch = {saved['streams_per_micro_batch']}"
+        )
+    if state["in_step"] and saved["micro_batches"] != layout.micro_batches:
+        raise ValueError(
+            f"the data position was saved {state['in_step']} micro-batch(es) into a step; only a position at a step's "
+            f"end resumes with another split of the global batch (saved {describe_layout(saved)})"
+        )
+
+
+class _StreamBatches(IterableDataset):
+    """Iterates ``Item``s for positions ``start + w, start + w + n, ...`` of the rank's cycle in worker ``w`` of
+    ``n`` (the training process alone: every position from ``start``)."""
+
+    def __init__(
+        self, make_pipeline: MakePipeline, layout: DataLayout, states: dict[int, dict], *, start: int, workers: int,
+        pad_id: int, merge: int,
+    ) -> None:  # fmt: skip
+        self.make_pipeline, self.layout, self.states = make_pipeline, layout, states
+        self.start, self.workers, self.pad_id, self.merge = start, workers, pad_id, merge
+
+    def __iter__(self) -> Iterator[Item]:
         info = get_worker_info()
         if info is not None:
             torch.set_num_threads(1)  # a worker renders and packs; leave the cores' threads to the model
-        shares = len(self.states)
-        share = ((info.id if info is not None else 0) + self.offset) % shares
-        pipeline = self.make_pipeline(share, shares)
-        if self.states[share] is not None:
-            pipeline.load_state_dict(self.states[share])
-        for pack in pipeline:
+        cycle = self.layout.cycle()
+        pipelines: dict[int, PackingPipeline] = {}
+        ended: set[int] = set()
+        for pos in itertools.count(self.start + (info.id if info is not None else 0), max(self.workers, 1)):
+            stream = cycle[pos % len(cycle)]
+            if stream in ended:
+                yield None, stream, None
+                continue
+            if stream not in pipelines:
+                pipelines[stream] = self._open(stream)
+            try:
+                pack = next(pipelines[stream])
+            except StopIteration:
+                ended.add(stream)
+                yield None, stream, None
+                continue
+            except EmptyPassError as err:
+                raise EmptyPassError(
+                    f"data stream {stream} of {self.layout.num_streams} (global batch {self.layout.global_batch} x "
+                    f"data.streams_per_micro_batch {self.layout.streams_per_micro_batch}) is empty: {err}\nLower "
+                    "data.streams_per_micro_batch, or use more training rows"
+                ) from err
             batch = collate([pack], pad_id=self.pad_id, spatial_merge_size=self.merge)
-            yield batch, share, pipeline.state_dict()
+            yield batch, stream, pipelines[stream].state_dict()
+
+    def _open(self, stream: int) -> PackingPipeline:
+        pipeline = self.make_pipeline(stream, self.layout.num_streams)
+        if stream in self.states:
+            pipeline.load_state_dict(self.states[stream])
+        return pipeline
 
 
 class TrainBatches:
-    """``next(batches)`` -> the next ``PackedBatch``; ``state_dict()`` -> every share's pipeline state after it."""
+    """``next(batches)`` -> this rank's next ``PackedBatch``; ``state_dict()`` -> the global data position of its
+    streams after it (module docstring)."""
 
     def __init__(
         self,
         make_pipeline: MakePipeline,
+        layout: DataLayout | None = None,
         *,
         pad_id: int,
         spatial_merge_size: int = 2,
         num_workers: int = 0,
         prefetch: int = 4,
-        state: dict | None = None,
+        state: Mapping | None = None,
         pin_memory: bool = False,
+        log: bool = False,
     ) -> None:
         if num_workers < 0:
             raise ValueError(f"num_workers={num_workers}: use 0 (main process) or more worker processes")
-        shares = max(num_workers, 1)
-        if state is not None and len(state["shares"]) != shares:
-            raise ValueError(
-                f"the checkpoint's data position was saved with {len(state['shares'])} data share(s) per rank and "
-                f"this run has {shares}: the packs depend on it; set data.num_workers = {len(state['shares'])}"
-            )
-        self._states: list[dict | None] = list(state["shares"]) if state is not None else [None] * shares
-        self._next = int(state["next"]) if state is not None else 0
-        dataset = _ShareBatches(make_pipeline, list(self._states), self._next, pad_id, spatial_merge_size)
-        if num_workers == 0:
-            self._iter: Iterator[tuple[PackedBatch, int, dict]] = iter(dataset)
+        self.layout = layout = layout if layout is not None else DataLayout()
+        cycle = layout.cycle()
+        self._states: dict[int, dict] = {}
+        self._consumed = 0
+        """Micro-batches this rank consumed since the run's start (its position in the cycle)."""
+        if state is not None:
+            check_position(state, layout)
+            saved = state.get("streams", {})
+            self._states = {g: saved[str(g)] for g in cycle if str(g) in saved}
+            self._consumed = int(state["micro_batches"]) // layout.global_batch * layout.micro_batches
+            self._consumed += int(state["in_step"])
+        self._ended = False
+        workers = dealt_workers(num_workers, len(cycle))
+        if workers != num_workers and log:
+            logger.info(
+                "data: %d worker process(es) per rank instead of %d: a rank's %d streams (data.streams_per_micro_batch "
+                "x train.micro_batches) are dealt to its workers in turn, so the count must divide them",
+                workers, num_workers, len(cycle),
+            )  # fmt: skip
+        dataset = _StreamBatches(
+            make_pipeline, layout, dict(self._states), start=self._consumed, workers=workers, pad_id=pad_id,
+            merge=spatial_merge_size,
+        )  # fmt: skip
+        if workers == 0:
+            self._iter: Iterator[Item] = iter(dataset)
         else:
             loader = DataLoader(
-                dataset,
-                batch_size=None,
-                num_workers=num_workers,
-                prefetch_factor=prefetch,
-                pin_memory=pin_memory,
+                dataset, batch_size=None, num_workers=workers, prefetch_factor=prefetch, pin_memory=pin_memory,
                 persistent_workers=False,
-            )
+            )  # fmt: skip
             self._iter = iter(loader)
 
     def __iter__(self) -> TrainBatches:
         return self
 
     def __next__(self) -> PackedBatch:
-        batch, share, state = next(self._iter)
-        self._states[share] = state
-        self._next = (share + 1) % len(self._states)
+        if self._ended:
+            raise StopIteration
+        batch, stream, state = next(self._iter)
+        if batch is None:  # a finite stream ran out: this rank's data ends here, for good
+            self._ended = True
+            raise StopIteration
+        self._states[stream] = state
+        self._consumed += 1
         return batch
 
     def state_dict(self) -> dict:
-        """The pipeline state of every share after its last batch handed out (None before its first), and the next
-        share."""
-        return {"shares": list(self._states), "next": self._next}
+        """The position after the last batch handed out: this rank's streams (their pipeline states, keyed by the
+        stream number as text, JSON's key type), the global micro-batch counter at the last step boundary and the
+        micro-batches since (0 in the trainer, which saves between steps), and the layout (no rank: the same
+        on every rank, so ``checkpoint.state.merge_positions`` joins the ranks' parts)."""
+        step, in_step = divmod(self._consumed, self.layout.micro_batches)
+        return {
+            "format": POSITION_FORMAT,
+            "layout": self.layout.to_dict(),
+            "micro_batches": step * self.layout.global_batch,
+            "in_step": in_step,
+            "streams": {str(g): s for g, s in sorted(self._states.items())},
+        }
 
     def accounting(self) -> DataAccounting:
-        """This rank's samples seen / packed / skipped up to the last batch handed out."""
-        return DataAccounting.from_pipeline_states(s for s in self._states if s is not None)
+        """This rank's samples seen / packed / skipped up to the last batch handed out: the sum over its streams (a
+        stream not read yet counts as nothing done, so a pass is complete only when every stream completed it)."""
+        return DataAccounting.total(
+            DataAccounting.from_dict(self._states[g]["accounting"]) if g in self._states else DataAccounting()
+            for g in self.layout.cycle()
+        )

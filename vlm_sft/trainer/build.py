@@ -29,6 +29,7 @@ from vlm_sft.data.sources import (
     render_fn,
 )
 from vlm_sft.data.streaming import StreamingRows, local_files
+from vlm_sft.trainer.distributed import DistEnv, all_reduce, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -199,69 +200,114 @@ def build_pipeline(
 
 @dataclass(frozen=True)
 class TrainPipelines:
-    """``(share, shares) -> pipeline`` for one rank's training data (picklable: data workers build their own).
-
-    Rank ``r`` of ``w`` with ``n`` shares gives share ``k`` the shard ``r * n + k`` of ``w * n``: the union of all
-    packs is the same for any split of ``w * n`` into ranks and workers, so 2 ranks x 1 worker train on exactly the
-    packs of 1 rank x 2 workers."""
+    """``(stream, streams) -> pipeline`` of the training data: stream ``stream`` of ``streams`` is pipeline shard
+    ``stream`` of ``streams`` (picklable: data workers build their own). The streams are global, the same for any
+    number of ranks and workers; which rank reads which is ``trainer.batches.DataLayout``'s business."""
 
     cfg: RunConfig
     source: ConversationSource | StreamedSource
     renderer: Any
-    rank: int
-    world_size: int
     epochs: int | None = None
     """Passes before the stream ends (None: forever, as in training; counting the steps of an epochs-run sets it)."""
 
-    def __call__(self, share: int, shares: int) -> PackingPipeline:
-        shard, num_shards = self.rank * shares + share, self.world_size * shares
+    def __call__(self, stream: int, streams: int) -> PackingPipeline:
         return build_pipeline(
-            self.cfg, self.source, self.renderer, shard=shard, num_shards=num_shards, epochs=self.epochs,
+            self.cfg, self.source, self.renderer, shard=stream, num_shards=streams, epochs=self.epochs,
             check_skips=True,
         )  # fmt: skip
 
 
-def build_model(cfg: RunConfig, device: torch.device):
-    """Random-init tiny model, or a checkpoint (hub id or directory) through the same loading code.
+def checkpoint_path(cfg: RunConfig) -> Path | None:
+    """The local directory of ``model.name_or_path`` (a hub id is fetched into the cache), None for a tiny preset."""
+    from vlm_sft.checkpoint.hf_dir import resolve_checkpoint_dir
 
-    Without a ``[model.vlm]`` section the checkpoint's vision tower is frozen, with one warning: its parameters would
-    otherwise receive no gradient and still decay under AdamW.
+    return None if cfg.model.name_or_path in TINY_MODELS else resolve_checkpoint_dir(cfg.model.name_or_path)
+
+
+def build_model(
+    cfg: RunConfig, device: torch.device, *, env: DistEnv | None = None, resuming: bool = False
+) -> torch.nn.Module:
+    """The run's model: a random-init tiny preset, or a checkpoint (hub id or directory), LoRA-wrapped when asked.
+
+    With ``env`` the model comes back sharded for it (FSDP2, ``shard_model``); a checkpoint is then loaded the
+    sharded way (``vlm_sft.checkpoint.load``): built on meta, wrapped, sharded, materialized, and each rank reads only
+    the rows of its shards. ``resuming``: the weights that the resumed checkpoint restores are not read from the HF
+    checkpoint at all (all of them in a full fine-tuning run; a LoRA run still reads its frozen base).
+
+    Without a ``[model.vlm]`` section the vision tower is frozen, with one warning: its parameters would otherwise
+    receive no gradient and still decay under AdamW. bf16 runs keep fp32 master weights (FSDP2 mixed precision
+    computes in bf16); a bf16 LoRA run stores its frozen base in bf16 beside fp32 adapters.
     """
-    from vlm_sft.model import Qwen3_5VLM
-    from vlm_sft.model import build_model as build_random
-
     m = cfg.model
     if m.vlm is None:
         logger.warning("no [model.vlm] section: the vision tower is frozen (add [model.vlm] to configure it)")
     freeze = True if m.vlm is None else m.vlm.freeze_vision
-    kwargs = {
+    frozen_dtype = torch.bfloat16 if m.lora is not None and m.dtype == "bfloat16" else torch.float32
+    compute_dtype = torch.bfloat16 if m.dtype == "bfloat16" else None
+    shard = (lambda model: shard_model(model, env, param_dtype=compute_dtype)) if env is not None else (lambda x: x)
+    reduce = (lambda t: all_reduce(t, env)) if env is not None else None
+    if m.name_or_path in TINY_MODELS:
+        from vlm_sft.model import build_model as build_random
+
+        torch.manual_seed(cfg.train.seed)
+        model = build_random(
+            tiny_model_config(cfg), dtype=torch.float32, freeze_vision=freeze, device=device, **_backend_kwargs(cfg)
+        )
+        if m.lora is not None:
+            _attach_lora(cfg, model, frozen_dtype)
+            _init_lora(cfg, model, None)
+        return shard(model)
+    return _load_checkpoint_model(
+        cfg, device, shard, reduce, freeze=freeze, frozen_dtype=frozen_dtype, resuming=resuming
+    )
+
+
+def _backend_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    m = cfg.model
+    return {
         "attn_impl": m.attn_impl,
         "linear_attn_impl": m.linear_attn_impl,
         "loss_impl": m.loss_impl,
         "experts_impl": m.experts_impl,
-        "freeze_vision": freeze,
         "activation_checkpointing": m.activation_checkpointing,
-        "device": device,
     }
-    # bf16 runs keep fp32 master weights; FSDP2 mixed precision computes in bf16 (the trainer sets it up). A bf16
-    # LoRA run loads its frozen base in bf16 (half the memory, the same bf16 compute) beside fp32 adapters.
-    frozen_bf16 = m.lora is not None and m.dtype == "bfloat16"
-    if m.name_or_path in TINY_MODELS:
-        torch.manual_seed(cfg.train.seed)
-        model = build_random(tiny_model_config(cfg), dtype=torch.float32, **kwargs)
+
+
+def _load_checkpoint_model(cfg, device, shard, reduce, *, freeze, frozen_dtype, resuming) -> torch.nn.Module:
+    """Meta build -> LoRA wrap -> shard -> materialize -> read this rank's slices (``vlm_sft.checkpoint.load``)."""
+    from vlm_sft.checkpoint.hf_dir import CheckpointIndex
+    from vlm_sft.checkpoint.load import load_model_config, load_weights, materialize, meta_model, plan_reads
+    from vlm_sft.model.backends import resolve_backends
+
+    path = checkpoint_path(cfg)
+    kwargs = _backend_kwargs(cfg)
+    checkpointing = kwargs.pop("activation_checkpointing")
+    backends = resolve_backends(device, **kwargs)
+    model = meta_model(load_model_config(path), backends, freeze_vision=freeze, activation_checkpointing=checkpointing)
+    index = CheckpointIndex.open(path)
+    plan_reads(model, index)  # a checkpoint that does not fit the model fails here, before any allocation
+    if cfg.model.lora is not None:
+        _attach_lora(cfg, model, frozen_dtype)
+    model = shard(model)
+    materialize(model, device)
+    if not resuming:
+        report = load_weights(model, index)
+    elif cfg.model.lora is not None:  # the checkpoint holds the adapters only: the frozen base comes from HF
+        report = load_weights(model, index, select=lambda _, t: not t.requires_grad)
     else:
-        load_dtype = torch.bfloat16 if frozen_bf16 else torch.float32
-        model = Qwen3_5VLM.from_pretrained(m.name_or_path, dtype=load_dtype, **kwargs)
-    if m.lora is not None:
-        _attach_lora(cfg, model, torch.bfloat16 if frozen_bf16 else torch.float32)
+        report = None  # every weight comes from the resumed checkpoint
+    if cfg.model.lora is not None:
+        _init_lora(cfg, model, reduce)
+    read = "nothing (resuming)" if report is None else f"{report.bytes_read / 2**20:.0f} MiB of its shards"
+    logger.info("loaded %s: this rank read %s (backends %s)", path, read, backends)
     return model
 
 
 def _attach_lora(cfg: RunConfig, model: torch.nn.Module, frozen_dtype: torch.dtype) -> None:
-    """LoRA adapters before any sharding (FSDP2 then shards the wrapped layers); the base stays frozen, stored in
-    ``frozen_dtype``, and the trainable parameters in fp32, drawn the same way on every rank and for every dtype."""
+    """LoRA adapters before any sharding (FSDP2 then shards the wrapped layers), also on a meta model; the base stays
+    frozen, stored in ``frozen_dtype``, and the trainable parameters in fp32."""
     from vlm_sft.config import LORA_FUSED_GROUPS
-    from vlm_sft.model.lora import attach_lora, base_fingerprint, init_adapters, store_frozen_in
+    from vlm_sft.model.lora import attach_lora, store_frozen_in
 
     lora = cfg.model.lora
     split = [g for g, members in LORA_FUSED_GROUPS.items() if 0 < len(set(members) & set(lora.target_modules)) < 2]
@@ -276,8 +322,15 @@ def _attach_lora(cfg: RunConfig, model: torch.nn.Module, frozen_dtype: torch.dty
         modules_to_save=lora.modules_to_save,
     )  # fmt: skip
     store_frozen_in(model, frozen_dtype)
-    init_adapters(model, cfg.train.seed + 1)  # the same fp32 adapters on every rank, whatever the base's dtype
-    model.base_fingerprint = base_fingerprint(model)  # saved with each checkpoint, checked on resume (the trainer)
+
+
+def _init_lora(cfg: RunConfig, model: torch.nn.Module, reduce) -> None:
+    """The adapters' values (the same fp32 draw on every rank and for every base dtype) and the frozen base's
+    fingerprint, which each checkpoint saves and a resume checks (the trainer)."""
+    from vlm_sft.model.lora import base_fingerprint, init_adapters
+
+    init_adapters(model, cfg.train.seed + 1)
+    model.base_fingerprint = base_fingerprint(model, reduce)
 
 
 def resolve_output_dir(cfg: RunConfig) -> Path:

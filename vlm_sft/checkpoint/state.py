@@ -1,0 +1,409 @@
+"""Resumable training checkpoints: model and optimizer through torch distributed checkpoint (DCP), everything else in
+files that cannot run code when read.
+
+Layout under ``<output_dir>/checkpoints``::
+
+    step-000100/                  complete checkpoint (has COMPLETE)
+        .metadata, __R_0.distcp   DCP: model and optimizer tensors only (LoRA runs: adapters and their optimizer
+                                  state); resharded on load, so any number of processes reads them
+        trainer_state.json        rank 0: step, scheduler, the optimizer's param_groups, extra counters, world size
+        data-rank00000.json       per rank: the data position of its streams (``trainer.batches``); a resume joins
+                                  every rank's file into one global position
+        rng-rank00000.safetensors per rank: torch (and CUDA) RNG states as tensors, numpy's and python's in the
+                                  safetensors metadata (JSON)
+        hf/                       the same weights as an HF directory with processor and tokenizer (when the trainer
+                                  asks; LoRA runs: hf/adapter/ only, the merged copy is written to final/)
+        COMPLETE
+    step-000200.tmp/              a save in progress, or one killed mid-write: never loaded, removed by the next save
+
+No pickle is ever read: JSON and safetensors hold plain values and tensors, the DCP state holds tensors only (DCP
+stores any other value as a pickle and reads it with ``torch.load(weights_only=False)``; the optimizer's
+``param_groups`` go to ``trainer_state.json`` instead), and DCP's own ``.metadata``, which torch writes with pickle,
+is read by ``SafeReader``, an unpickler that admits only DCP's metadata classes.
+
+Another world size: DCP reshards model and optimizer, the data position is global, and each rank restores the RNG
+state of its own rank when the checkpoint has it, else rank 0's (the data order never depends on the global RNG;
+dropout does).
+
+A save writes into ``step-N.tmp`` and is renamed into place by rank 0 only after every rank finished, so a run
+killed mid-save resumes from the previous complete checkpoint. Only the last ``keep_last`` complete ones are kept.
+Multi-node runs need ``output_dir`` on a filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import random
+import re
+import shutil
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+from torch import nn
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none
+
+logger = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+COMPLETE_MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+STATE_FORMAT = 1
+"""Version of ``trainer_state.json``; another one is refused with the reason."""
+
+
+def data_file(rank: int) -> str:
+    return f"data-rank{rank:05d}.json"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank:05d}.safetensors"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides model and optimizer that an exact resume needs (plain values: JSON and RNG tensors)."""
+
+    step: int
+    """Optimizer steps completed."""
+    scheduler: dict
+    """LR scheduler state dict."""
+    data: dict
+    """Data position: on save this rank's (``TrainBatches.state_dict()``), on load every rank's joined
+    (``merge_positions``)."""
+    rng: dict
+    """torch / numpy / python (/ CUDA) RNG states (``capture_rng``): this rank's, or rank 0's after a resume on more
+    ranks than wrote the checkpoint."""
+    extra: dict
+    """Free-form JSON counters (tokens seen, the LoRA base fingerprint, ...)."""
+    world_size: int = 1
+    """Processes that wrote the checkpoint (set on load; informational)."""
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_rng(path: Path, state: dict[str, Any]) -> None:
+    """Tensors (torch and CUDA states, numpy's and python's Mersenne Twister words) as safetensors; the few scalars
+    of numpy's and python's states as JSON in its metadata."""
+    name, key, pos, has_gauss, gauss = state["numpy"]
+    version, words, gauss_next = state["python"]
+    tensors = {
+        "torch": state["torch"].numpy(),
+        "numpy_key": np.asarray(key, dtype=np.uint32),
+        "python_words": np.asarray(words, dtype=np.uint32),  # 624 words and the index (<= 624): all below 2**32
+    }
+    for i, s in enumerate(state.get("cuda", [])):
+        tensors[f"cuda.{i}"] = s.numpy()
+    scalars = {"numpy": [name, int(pos), int(has_gauss), float(gauss)], "python": [version, gauss_next]}
+    save_file(tensors, str(path), metadata={"scalars": json.dumps(scalars)})
+
+
+def read_rng(path: Path) -> dict[str, Any]:
+    with safe_open(str(path), framework="np") as f:
+        scalars = json.loads(f.metadata()["scalars"])
+        t = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
+    name, pos, has_gauss, gauss = scalars["numpy"]
+    version, gauss_next = scalars["python"]
+    state = {
+        "torch": torch.from_numpy(t["torch"]),
+        "numpy": (name, t["numpy_key"], pos, has_gauss, gauss),
+        "python": (version, tuple(int(w) for w in t["python_words"]), gauss_next),
+    }
+    cuda = sorted((int(k.split(".")[1]), v) for k, v in t.items() if k.startswith("cuda."))
+    if cuda:
+        state["cuda"] = [torch.from_numpy(v) for _, v in cuda]
+    return state
+
+
+def merge_positions(parts: Iterable[Mapping]) -> dict:
+    """One global data position from every rank's (``TrainBatches.state_dict()``): the union of their ``streams``
+    (the ranks of one context-parallel group write the same ones); everything else must agree."""
+    parts = list(parts)
+    first = parts[0]
+    streams: dict[str, dict] = {}
+    for part in parts:
+        differ = sorted(k for k in first.keys() | part.keys() if k != "streams" and first.get(k) != part.get(k))
+        if differ:
+            raise ValueError(f"the ranks' data positions disagree on {differ}: the checkpoint is inconsistent")
+        streams.update(part.get("streams", {}))
+    return {**first, "streams": streams} if "streams" in first else dict(first)
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoints_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / COMPLETE_MARKER).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
+    """``latest`` -> the newest complete checkpoint (None when there is none yet); a path must be complete."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        found = complete_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / COMPLETE_MARKER).is_file():
+        raise FileNotFoundError(
+            f"train.resume = {resume!r} is not a complete checkpoint (no {COMPLETE_MARKER} marker); "
+            f"use 'latest' or one of {[str(p) for p in complete_checkpoints(output_dir)]}"
+        )
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- DCP, tensors only
+
+_DCP_METADATA = (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+)  # fmt: skip
+_METADATA_CLASSES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by its name, nothing else
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")),
+}
+"""What the ``.metadata`` of a DCP checkpoint of tensors refers to (torch 2.13): plain dataclasses, enums and
+names. Anything else in it is refused, so the file cannot run code."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(
+            f"{module}.{name} is not part of a DCP checkpoint's metadata: refused, since unpickling it could run code"
+        )
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, but its ``.metadata`` (a pickle that torch writes) is read with an unpickler that admits
+    only DCP's own metadata classes, and a checkpoint with pickled entries (``BytesStorageMetadata``, which DCP
+    would read with ``torch.load(weights_only=False)``) is refused."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+        if not isinstance(metadata, Metadata):
+            raise ValueError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+        if pickled:
+            raise ValueError(
+                f"{path}: the entries {pickled[:5]} are pickled objects, which are never read (a pickle can run code); "
+                "this checkpoint was not written by this version of vlm-sft"
+            )
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does after unpickling
+        return metadata
+
+
+def _tensors_only(tree: dict, where: str) -> None:
+    """DCP would pickle any non-tensor leaf (and read it back with ``torch.load(weights_only=False)``)."""
+    bad = []
+    stack = [(where, tree)]
+    while stack:
+        prefix, node = stack.pop()
+        for key, value in node.items():
+            if isinstance(value, dict):
+                stack.append((f"{prefix}.{key}", value))
+            elif not isinstance(value, torch.Tensor):
+                bad.append(f"{prefix}.{key} ({type(value).__name__})")
+    if bad:
+        raise TypeError(f"a checkpoint's DCP state holds tensors only, not {sorted(bad)[:5]}")
+
+
+def _options(trainable_only: bool) -> StateDictOptions:
+    """What a checkpoint holds: every parameter, or (``trainable_only``) the ones that train; the loader asks for
+    the same keys, so a strict load would only flag the frozen ones it was told to leave alone."""
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
+
+
+# --------------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    env: DistEnv,
+    keep_last: int,
+    write_extra: Callable[[Path], None] | None = None,
+    trainable_only: bool = False,
+) -> Path:
+    """Write a resumable checkpoint for ``state.step`` atomically (module docstring); every rank must call this.
+
+    ``trainable_only`` (LoRA runs): only the parameters that train, with their optimizer state; the frozen base is
+    not written, since the run rebuilds it from ``model.name_or_path`` (a 9B base would be 18 GB per checkpoint).
+
+    ``write_extra(tmp_dir)`` runs on every rank before the checkpoint is marked complete (the trainer writes the HF
+    export there), so the extra files appear and disappear together with the checkpoint.
+    """
+    root = checkpoints_dir(output_dir)
+    final = root / f"step-{state.step:06d}"
+    tmp = root / f"step-{state.step:06d}.tmp"
+    with all_ranks_or_none(env, f"preparing {tmp}"):
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
+    tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    _tensors_only(tensors, "state")
+    dcp.save(tensors, checkpoint_id=str(tmp))
+    with all_ranks_or_none(env, f"writing the trainer state into {tmp}"):
+        _write_json(tmp / data_file(env.rank), state.data)
+        write_rng(tmp / rng_file(env.rank), state.rng)
+        if env.is_main:
+            main = {
+                "format": STATE_FORMAT, "step": state.step, "world_size": env.world_size,
+                "scheduler": state.scheduler, "param_groups": optim_sd["param_groups"], "extra": state.extra,
+            }  # fmt: skip
+            _write_json(tmp / TRAINER_STATE, main)
+    if write_extra is not None:
+        write_extra(tmp)
+    with all_ranks_or_none(env, f"completing the checkpoint {final}"):
+        if env.is_main:
+            (tmp / COMPLETE_MARKER).write_text(f"step {state.step}, world size {env.world_size}\n")
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            for old in complete_checkpoints(output_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            for stale in root.glob("step-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+
+
+# --------------------------------------------------------------------------------------------------- load
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file of the checkpoint; anything else is an error that says so (it is never unpickled)."""
+    if not path.is_file():
+        if (path.parent / "rank00000.pt").is_file():
+            raise ValueError(
+                f"{path.parent} was written by an older vlm-sft whose trainer state is a pickle (rank00000.pt), which "
+                "is never read, since a pickle can run code; start afresh from its weights "
+                f"(model.name_or_path = '{path.parent / 'hf'}')"
+            )
+        raise FileNotFoundError(f"{path} is missing: {path.parent} is not a complete checkpoint of this vlm-sft")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not JSON ({err}): a damaged checkpoint, or a file from elsewhere") from err
+
+
+def _read(path: Path, env: DistEnv) -> tuple[TrainerState, list[dict]]:
+    """The plain-format part of a checkpoint and the optimizer's param_groups; every rank reads every rank's data
+    file and its own RNG file (rank 0's when the checkpoint has no file for this rank)."""
+    with all_ranks_or_none(env, f"opening the checkpoint {path}"):
+        main = _read_json(path / TRAINER_STATE)
+        if main.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"{path / TRAINER_STATE} has format {main.get('format')!r}; this code reads {STATE_FORMAT}"
+            )
+        world = int(main["world_size"])
+        data = merge_positions(_read_json(path / data_file(r)) for r in range(world))
+        rng_rank = env.rank if env.rank < world else 0
+        try:
+            rng = read_rng(path / rng_file(rng_rank))
+        except SafetensorError as err:
+            raise ValueError(f"{path / rng_file(rng_rank)} is not an RNG state file ({err})") from err
+    if rng_rank != env.rank:
+        logger.info("rank %d: %s was written by %d processes; restoring rank 0's RNG state", env.rank, path, world)
+    state = TrainerState(main["step"], main["scheduler"], data, rng, main["extra"], world)
+    return state, main["param_groups"]
+
+
+def read_trainer_state(path: str | Path, *, env: DistEnv) -> TrainerState:
+    """A checkpoint's trainer state without the model and optimizer (cheap: JSON and the RNG file), e.g. to check
+    the data position before a long DCP load; every rank must call this."""
+    return _read(Path(path), env)[0]
+
+
+def load_checkpoint(
+    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv, trainable_only: bool = False
+) -> TrainerState:
+    """Restore model and optimizer in place from ``path`` (any world size: DCP reshards) and return the trainer
+    state; every rank must call this. Every parameter (or, ``trainable_only``, every trainable one) and its
+    optimizer state is overwritten from DCP, so the model may come in uninitialized (``to_empty``); its
+    non-persistent buffers are not in a checkpoint and must be set by whoever built it. ``trainable_only`` must match
+    the save's: a LoRA run restores its adapters onto the rebuilt frozen base."""
+    path = Path(path)
+    state, saved_groups = _read(path, env)
+    with all_ranks_or_none(env, f"reading the DCP metadata of {path}"):
+        SafeReader(str(path)).read_metadata()  # a refused file stops here, not inside DCP's collectives
+    options = _options(trainable_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    dcp.load(tensors, storage_reader=SafeReader(str(path)))
+    groups = _restore_groups(optim_sd["param_groups"], saved_groups, path)
+    optim = {"state": tensors["optim"]["state"], "param_groups": groups}
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim, options=options)
+    logger.info("resumed from %s at step %d (written by %d process(es))", path, state.step, state.world_size)
+    return state
+
+
+def _restore_groups(current: list[dict], saved: list[dict], path: Path) -> list[dict]:
+    """The saved hyperparameters on this run's parameter groups, with the types the optimizer uses (JSON turned
+    tuples such as AdamW's ``betas`` into lists)."""
+    if [g["params"] for g in saved] != [g["params"] for g in current]:
+        raise ValueError(
+            f"{path}: the optimizer's parameter groups hold other parameters than this run's "
+            f"({[len(g['params']) for g in saved]} vs {[len(g['params']) for g in current]} per group); resume with "
+            "the model and LoRA settings the checkpoint was trained with"
+        )
+    return [
+        {**now, **{k: tuple(v) if isinstance(now.get(k), tuple) else v for k, v in old.items()}}
+        for now, old in zip(current, saved, strict=True)
+    ]
