@@ -1,12 +1,15 @@
 """Packing self-check: ``python -m vlm_sft.check_packing --config X [--section.field value ...]``.
 
-Builds the configured model on the configured backends, takes the first packed rows of the configured data, and
-runs every sample both inside its packed row and alone, at the configured precision (``model.dtype``), next to a
-float64 reference of the sample alone on the pure-torch kernels. For the logits, the loss gradients and each op
-class (vision, conv, linear attention, attention, MLP) it prints the floor (the sample's own rounding noise:
-|alone - reference|), the leak (|packed - reference|) and their ratio. An exact packed row scores about 1; a backend
-that lets packed samples see each other scores tens to thousands. Exits 1 when the logits' or gradients' ratio is
-over the bound (default ``RATIO_BOUND``), 0 otherwise. ``train.check_packing = true`` runs the same check
+Builds the configured model on the configured backends, takes the first packed rows of the configured data (samples
+capped at ``self_check.CHECK_SEQ_LEN`` tokens), and runs every sample both inside its packed row and alone, at the
+configured precision (``model.dtype``), next to a float64 reference of the sample alone on the pure-torch kernels.
+It checks what training checks: the model's slice (``trainer.check_slice``: the first layers up to one of each kind,
+a vision block, a few experts, the rows' vocabulary); ``--whole-model`` checks every layer instead, with a float64
+copy of the whole model. For the logits, the loss gradients and each op class (vision, conv, linear attention,
+attention, MLP) it prints the floor (the sample's own rounding noise: |alone - reference|), the leak
+(|packed - reference|) and their ratio. An exact packed row scores about 1; a backend that lets packed samples see
+each other scores tens to thousands. Exits 1 when the logits' or gradients' ratio is over the bound (default
+``RATIO_BOUND``), 0 otherwise. ``train.check_packing = true`` runs the same check
 (``vlm_sft.trainer.self_check.run_packing_check``) at the start of training.
 """
 
@@ -33,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="largest leak / floor ratio that passes (default: the calibrated RATIO_BOUND, 4; exact rows score ~1)",
     )
+    parser.add_argument(
+        "--whole-model",
+        action="store_true",
+        help="check every layer of the model (a float64 copy of all of it) instead of the slice training checks",
+    )
     known, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if cfg is None:
@@ -55,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         rows=known.rows,
         max_samples_per_row=known.max_samples,
         bound=known.bound if known.bound is not None else RATIO_BOUND,
+        whole_model=known.whole_model,
     )
     print(report.format())
     return 0 if report.ok else 1
