@@ -380,6 +380,46 @@ def qwen3_5_0_8b_config() -> Qwen3_5Config:
     )
 
 
+def _dense_big_config(text_shape: dict, vision_out: int) -> Qwen3_5Config:
+    """A dense Qwen3.5 config past the 0.8B: the 0.8B's other text fields (GatedDeltaNet 16 key heads of 128, head_dim
+    256, rope, vocabulary 248320) with ``text_shape`` on top, untied embeddings, and the 27-block vision tower
+    (hidden 1152, 16 heads, MLP 4304) projecting to ``vision_out``."""
+    base = qwen3_5_0_8b_config()
+    text = base.text_config.to_dict() | text_shape | {"tie_word_embeddings": False}
+    text["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (text["num_hidden_layers"] // 4)
+    for key in ("model_type", "transformers_version", "architectures", "dtype"):
+        text.pop(key, None)
+    vision = base.vision_config.to_dict() | {"depth": 27, "hidden_size": 1152, "num_heads": 16}
+    vision |= {"intermediate_size": 4304, "out_hidden_size": vision_out}
+    for key in ("model_type", "transformers_version", "architectures", "dtype"):
+        vision.pop(key, None)
+    return Qwen3_5Config(text_config=text, vision_config=vision, **QWEN3_5_VISION_TOKEN_IDS, tie_word_embeddings=False)
+
+
+def qwen3_5_9b_config() -> Qwen3_5Config:
+    """The shape of ``Qwen/Qwen3.5-9B`` (sources: ``tests/test_model_real_shapes.py``, ``REAL_SHAPES``).
+
+    Text: hidden 4096, MLP 12288, 32 layers (3 GatedDeltaNet : 1 full attention), 16 query / 4 kv heads of 256 with
+    an output gate, GatedDeltaNet 16 key and 32 value heads of 128, vocabulary 248320, untied embeddings. Vision: 27
+    blocks of hidden 1152 (16 heads, MLP 4304), output 4096. About 9.4B parameters.
+    """
+    text = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16}
+    text |= {"num_key_value_heads": 4, "linear_num_value_heads": 32}
+    return _dense_big_config(text, vision_out=4096)
+
+
+def qwen3_5_27b_config() -> Qwen3_5Config:
+    """The shape of ``Qwen/Qwen3.5-27B`` (sources: ``tests/test_model_real_shapes.py``, ``REAL_SHAPES``).
+
+    Text: hidden 5120, MLP 17408, 64 layers (3 GatedDeltaNet : 1 full attention), 24 query / 4 kv heads of 256 with
+    an output gate, GatedDeltaNet 16 key and 48 value heads of 128, vocabulary 248320, untied embeddings. Vision: 27
+    blocks of hidden 1152 (16 heads, MLP 4304), output 5120. About 27.4B parameters.
+    """
+    text = {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 64, "num_attention_heads": 24}
+    text |= {"num_key_value_heads": 4, "linear_num_value_heads": 48}
+    return _dense_big_config(text, vision_out=5120)
+
+
 def qwen3_5_35b_a3b_config(num_hidden_layers: int = 40) -> Qwen3_5MoeConfig:
     """The shape of ``Qwen/Qwen3.5-35B-A3B`` (its public ``config.json``, written out here: nothing is downloaded).
 

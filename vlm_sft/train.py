@@ -2,6 +2,8 @@
 
 With no arguments it runs ``configs/debug.toml`` (tiny offline model, shapes dataset, CPU). Also runs under
 ``torchrun`` and as plain ``python vlm_sft/train.py`` (one process). ``--help`` lists every config field.
+``--dry-run`` sets everything up as training would, prints the memory per rank (measured and planned) and exits
+before the first optimizer step: run it, with the same launcher and processes, before spending GPU hours.
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ def setup_logging(rank: int, *, all_ranks: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli_parser("python vlm_sft/train.py", __doc__.replace("``", ""))
-    _, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="set up as training would (checkpoint load, wrapping, sharding, self-check, the first step's batches), "
+        "print each rank's measured peak memory and planned steady-state memory, and exit 0 before the first "
+        "optimizer step (also written to <train.output_dir>/dry_run.json)",
+    )
+    known, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     if cfg is None:
         return 2
     from vlm_sft.data.pipeline import EmptyPassError, SkipFractionError
@@ -44,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
         datasets.disable_progress_bars()
     try:
-        result = train(cfg)
+        result = train(cfg, dry_run=known.dry_run)
     except ConfigError as err:  # settings that only fail against the machine or the data (e.g. bf16 without CUDA)
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -56,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data error: {err}", file=sys.stderr)
         return 1
     if not is_main:  # every rank returns the same result; rank 0 reports it
+        return 0
+    if known.dry_run:  # the report was printed by train(); nothing was trained or saved
+        print(f"dry run done: no optimizer step taken; the report is in {cfg.train.output_dir}/dry_run.json")
         return 0
     if result.last_eval:
         accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}

@@ -30,21 +30,24 @@ from typing import Any
 import torch
 
 from renderers import check_template_parity
+from vlm_sft.checkpoint.export import export_final
+from vlm_sft.checkpoint.hf_dir import CheckpointIndex
+from vlm_sft.checkpoint.state import (
+    TrainerState,
+    capture_rng,
+    load_checkpoint,
+    read_trainer_state,
+    resolve_resume,
+    restore_rng,
+    save_checkpoint,
+)
 from vlm_sft.config import ConfigError, RunConfig
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.trainer import build
-from vlm_sft.trainer.batches import TrainBatches, resolve_num_workers
-from vlm_sft.trainer.checkpoint import (
-    TrainerState,
-    capture_rng,
-    load_checkpoint,
-    resolve_resume,
-    restore_rng,
-    save_checkpoint,
-)
+from vlm_sft.trainer.batches import DataLayout, TrainBatches, check_position, resolve_num_workers
 from vlm_sft.trainer.data_accounting import RunAccounting
 from vlm_sft.trainer.distributed import (
     DistEnv,
@@ -55,10 +58,8 @@ from vlm_sft.trainer.distributed import (
     context_parallel_groups,
     init_distributed,
     set_gradient_sync,
-    shard_model,
 )
 from vlm_sft.trainer.evaluate import evaluate
-from vlm_sft.trainer.export import export_final
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb, step_breakdown
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
 from vlm_sft.trainer.router_balance import RouterBalance, StepRouting, routing_metrics
@@ -109,6 +110,9 @@ class Run:
     """MoE runs: the step-global load-balancing loss and routing metrics (None: dense)."""
     cp: ContextParallel = NO_CP
     """This rank's context-parallel group (``train.cp_size``; ``NO_CP`` without)."""
+    weights_source: CheckpointIndex | None = None
+    """The HF checkpoint the run started from (None: a random-init preset): the export writes each tensor in its
+    dtype and copies its ``mtp.*`` head back."""
     timer: StepTimer = field(init=False)
     vision_timer: ModuleTimer = field(init=False)
 
@@ -133,15 +137,21 @@ class StepStats:
 # ------------------------------------------------------------------------------------------------------- set-up
 
 
-def train(cfg: RunConfig) -> RunResult:
-    """Run the configured job to its end; every rank calls this. The process group is left at exit."""
+def train(cfg: RunConfig, *, dry_run: bool = False) -> RunResult:
+    """Run the configured job to its end; every rank calls this. The process group is left at exit.
+
+    ``dry_run``: everything up to the first optimizer step exactly as training does it (checkpoint load, wrapping,
+    sharding, the self-check, the data pipeline's first step of batches), then the memory report
+    (``trainer.dry_run``) and no step, no checkpoint."""
     t_start = time.perf_counter()
     env = init_distributed(cfg.train.device)
     try:
         run = setup(cfg, env)
+        if dry_run:
+            return _dry_run(run, t_start)
         last_eval, train_time, real_tokens = run_steps(run)
         data = run.accounting.report(run.step, "end of the run")
-        final_dir = export_final(run.out_dir / "final", run.model, run.processor, env, cfg)
+        final_dir = export_final(run.out_dir / "final", run.model, run.processor, env, cfg, source=run.weights_source)
     finally:
         cleanup(env)
     wall = time.perf_counter() - t_start
@@ -153,6 +163,21 @@ def train(cfg: RunConfig) -> RunResult:
     return RunResult(run.step, final_dir, last_eval, wall, tok_s, data.to_dict())
 
 
+def _dry_run(run: Run, t_start: float) -> RunResult:
+    """The first step's batches drawn as training draws them, then the per-rank memory report on rank 0."""
+    from vlm_sft.trainer import dry_run
+
+    first = next_step_batches(
+        run.train_batches, run.cfg.train.micro_batches, run.env, run.model, run.accounting, run.cp
+    )
+    report = dry_run.report(run, first)
+    if run.env.is_main:
+        print(report.format(), flush=True)
+    data = run.accounting.report(0, "dry run")
+    run.metrics.close()
+    return RunResult(0, None, {}, time.perf_counter() - t_start, 0.0, data.to_dict())
+
+
 def setup(cfg: RunConfig, env: DistEnv) -> Run:
     """Data, model (self-checked, then sharded), optimizer and schedule, resumed state, batches and metrics."""
     out_dir = Path(cfg.train.output_dir)
@@ -161,33 +186,44 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         processor, renderer = _prepare(cfg, env, out_dir)
     with all_ranks_or_none(env, "loading the data"):
         sources = build.load_sources(cfg)
+    with all_ranks_or_none(env, "finding the checkpoint to resume from"):
+        resume_from = resolve_resume(cfg.train.resume, out_dir)
+    cp, dp_rank, dp_size = context_parallel_groups(env, cfg.train.cp_size)
+    # The data's global streams, and which this rank reads (a CP group shares its rows: its data-parallel rank's).
+    layout = DataLayout(dp_rank, dp_size, cfg.train.micro_batches, cfg.data.streams_per_micro_batch, cfg.train.cp_size)
+    if resume_from is not None:  # a resume that cannot continue exactly is refused before the model is built
+        saved = read_trainer_state(resume_from, env=env)
+        with all_ranks_or_none(env, f"checking {resume_from} against this run"):
+            check_position(saved.data, layout)
+    resuming = resume_from is not None
     with all_ranks_or_none(env, "building the model"):
-        model = build.build_model(cfg, env.device)
+        # Sharded as it is built: a checkpoint is read slice by slice into each rank's shards (build.build_model).
+        model = build.build_model(cfg, env.device, env=env, resuming=resuming)
         balance = RouterBalance.for_model(model, cfg.model.router_aux_loss_coef, log=env.is_main)
     pad_id = int(processor.tokenizer.pad_token_id)
-    if cfg.train.check_packing:
-        _self_check(cfg, env, out_dir, model, renderer, sources, pad_id)
-    cp, dp_rank, dp_size = context_parallel_groups(env, cfg.train.cp_size)
     with all_ranks_or_none(env, "setting up context parallelism"):
-        model.set_context_parallel(cp)  # after the self-check, which runs whole rows on rank 0 alone
+        model.set_context_parallel(cp)
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
-    model = shard_model(model, env, param_dtype=compute_dtype)
     model.train()
     num_workers = resolve_num_workers(cfg.data.num_workers, log=env.is_main)
-    pipelines = build.TrainPipelines(cfg, sources.train, renderer, dp_rank, dp_size)  # a CP group shares its rows
-    total_steps = cfg.train.max_steps or _count_steps(cfg, pipelines, max(num_workers, 1), env)
+    pipelines = build.TrainPipelines(cfg, sources.train, renderer)
+    total_steps = cfg.train.max_steps or _count_steps(cfg, pipelines, layout, env)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
-    step, data_state = _resume(cfg, env, out_dir, model, optimizer, scheduler)
+    step, data_state = _resume(cfg, env, out_dir, model, optimizer, scheduler, layout)
+    if cfg.train.check_packing:  # on the weights the run trains from (resumed ones included)
+        _self_check(cfg, env, out_dir, model, renderer, sources, pad_id)
     with all_ranks_or_none(env, "starting the data pipelines and the metrics"):
         train_batches = TrainBatches(
             pipelines,
+            layout,
             pad_id=pad_id,
             spatial_merge_size=model.config.vision_config.spatial_merge_size,
             num_workers=num_workers,
             prefetch=cfg.data.prefetch_packs,
             state=data_state,
             pin_memory=env.device.type == "cuda",
+            log=env.is_main,
         )
         eval_batches = _eval_batches(cfg, sources, renderer, env, pad_id)
         metrics = MetricsLogger(
@@ -201,8 +237,14 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     accounting = RunAccounting(out_dir, env, train_batches, replica=cp.rank > 0)
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
-        metrics, total_steps, step, compute_dtype, balance, cp,
+        metrics, total_steps, step, compute_dtype, balance, cp, _weights_source(cfg),
     )  # fmt: skip
+
+
+def _weights_source(cfg: RunConfig) -> CheckpointIndex | None:
+    """The index (headers only) of the checkpoint the run loads its weights from; None for a random-init preset."""
+    path = build.checkpoint_path(cfg)
+    return None if path is None else CheckpointIndex.open(path)
 
 
 def _prepare(cfg: RunConfig, env: DistEnv, out_dir: Path) -> tuple[Any, Any]:
@@ -224,32 +266,42 @@ def _prepare(cfg: RunConfig, env: DistEnv, out_dir: Path) -> tuple[Any, Any]:
 
 
 def _self_check(cfg: RunConfig, env: DistEnv, out_dir: Path, model, renderer, sources, pad_id: int) -> None:
-    """The packing self-check, on rank 0 (every rank holds the same unsharded model here); all ranks stop on failure."""
+    """The packing self-check on a slice of the sharded model (``trainer.check_slice``): every rank joins the slice's
+    gathers (so the call is outside ``all_ranks_or_none``: it holds collectives and agreements of its own), rank 0
+    checks; all ranks stop on failure."""
     from vlm_sft.trainer.self_check import run_packing_check
 
-    with all_ranks_or_none(env, "running the packing self-check"):
+    report = run_packing_check(cfg, model=model, renderer=renderer, source=sources.train, pad_id=pad_id, env=env)
+    with all_ranks_or_none(env, "writing the packing self-check's report"):
         if env.is_main:
-            report = run_packing_check(cfg, model=model, renderer=renderer, source=sources.train, pad_id=pad_id)
             (out_dir / "packing_check.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
             logger.info("packing self-check:\n%s", report.format())
             if not report.ok:  # the table was just logged and is in packing_check.json: do not print it twice
                 raise RuntimeError(f"packing self-check failed (table above; {out_dir / 'packing_check.json'})")
 
 
-def _resume(cfg: RunConfig, env: DistEnv, out_dir: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
-    """Restore model, optimizer, schedule and RNG from ``train.resume``; (step, data pipeline state)."""
+def _resume(
+    cfg: RunConfig, env: DistEnv, out_dir: Path, model, optimizer, scheduler, layout: DataLayout
+) -> tuple[int, dict | None]:
+    """Restore model, optimizer, schedule and RNG from ``train.resume``; (step, global data position). The cheap
+    checks (the data position against this run's global batch, a LoRA run's frozen base) come before the DCP load,
+    so a refused resume reads no weights. Any number of processes resumes: DCP reshards, the position is global."""
     with all_ranks_or_none(env, "finding the checkpoint to resume from"):
         resume_from = resolve_resume(cfg.train.resume, out_dir)
     if resume_from is None:
         return 0, None
     lora = cfg.model.lora is not None
+    saved = read_trainer_state(resume_from, env=env)
+    with all_ranks_or_none(env, f"checking {resume_from} against this run"):
+        check_position(saved.data, layout)
+        base = getattr(model, "base_fingerprint", None)
+        if lora and saved.extra.get("base") != base:
+            raise ConfigError(
+                f"{resume_from} holds adapters trained on another frozen base (fingerprint {saved.extra.get('base')}, "
+                f"this run built {base}): resume with the model.name_or_path, revision and model.dtype it was "
+                "trained with"
+            )
     state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env, trainable_only=lora)
-    base = getattr(model, "base_fingerprint", None)
-    if lora and state.extra.get("base") != base:
-        raise ConfigError(
-            f"{resume_from} holds adapters trained on another frozen base (fingerprint {state.extra.get('base')}, "
-            f"this run built {base}): resume with the model.name_or_path, revision and model.dtype it was trained with"
-        )
     scheduler.load_state_dict(state.scheduler)
     restore_rng(state.rng)
     return state.step, state.data
@@ -271,17 +323,23 @@ def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: Dis
     return [collate([p], pad_id=pad_id) for p in pipeline]
 
 
-def _count_steps(cfg: RunConfig, pipelines: build.TrainPipelines, shares: int, env: DistEnv) -> int:
-    """Optimizer steps in ``train.epochs`` passes, counted by running the rank's pipelines once without a model."""
+def _count_steps(cfg: RunConfig, pipelines: build.TrainPipelines, layout: DataLayout, env: DistEnv) -> int:
+    """Optimizer steps in ``train.epochs`` passes: the steps before the first stream runs out. Each rank counts the
+    packs of its own streams in one pass of their pipelines without a model (``DataLayout.steps_before_end``: a
+    stream with ``p`` packs is exhausted at its ``p + 1``-th visit), and the ranks agree on the least. A fractional
+    epoch counts that fraction of each stream's packs."""
     epochs = cfg.train.epochs
     whole = int(epochs) if float(epochs).is_integer() else int(epochs) + 1
     with all_ranks_or_none(env, "counting the training steps"):
         counting = dataclasses.replace(pipelines, epochs=whole)
-        packs = sum(sum(1 for _ in counting(share, shares)) for share in range(shares))
-    steps = int(packs / whole * epochs) // cfg.train.micro_batches
+        packs = {g: int(sum(1 for _ in counting(g, layout.num_streams)) / whole * epochs) for g in layout.cycle()}
+    steps = min(layout.steps_before_end(g, p) for g, p in packs.items())
     steps = int(all_reduce(torch.tensor([steps]), env, "min"))  # every rank must run the same number of steps
     if steps < 1:
-        raise ValueError(f"train.epochs = {epochs} gives no full optimizer step ({packs} packs); raise epochs")
+        raise ValueError(
+            f"train.epochs = {epochs} gives no full optimizer step (one of the {layout.num_streams} data streams "
+            "runs out in the first step); raise epochs or lower data.streams_per_micro_batch"
+        )
     return steps
 
 
@@ -454,6 +512,8 @@ def _save(run: Run) -> None:
         state=state,
         env=run.env,
         keep_last=run.cfg.train.keep_last,
-        write_extra=lambda folder: export_final(folder / "hf", run.model, run.processor, run.env, run.cfg, merge=False),
+        write_extra=lambda folder: export_final(
+            folder / "hf", run.model, run.processor, run.env, run.cfg, source=run.weights_source, merge=False
+        ),
         trainable_only=run.cfg.model.lora is not None,
     )

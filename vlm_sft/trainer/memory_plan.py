@@ -1,0 +1,434 @@
+"""Planned memory per rank: what each rank holds at load, in training and at save (estimates, in bytes).
+
+Used two ways: by ``--dry-run`` (``dry_run.py``) on the live, sharded model, where the parameter shard is the rank's
+real one, and without any model (``python -m vlm_sft.trainer.memory_plan``), from a Hugging Face config built on the
+meta device, to size a job before it is launched. Every figure here is an **estimate**: a model of what the code
+allocates, not a measurement (``--dry-run`` prints the measured peaks beside it).
+
+The terms, per rank, for ``W`` ranks (``sharded``: FSDP2, i.e. several ranks or any CUDA run), ``N_t`` trainable
+and ``N_f`` frozen parameter elements, master weights fp32 (4 bytes) for what trains, ``f`` bytes per frozen element
+(2 for a bf16 LoRA base, else 4), ``c`` bytes of the compute dtype (2 in bf16, 4 in fp32), ``k`` bytes per element of
+the checkpoint on disk (2 for the released bf16 checkpoints), ``S`` the checkpoint's size:
+
+- **load** (the sharded load: meta init, wrap, ``fully_shard``, then each rank reads only its rows)
+  = shard ``(4 N_t + f N_f) / W`` + read buffer ``n_max / W * (k + 4)`` (the rows of the largest tensor, read in
+  the checkpoint dtype and cast to fp32).
+- **training** = parameters ``(4 N_t + f N_f) / W`` + gradients ``4 N_t / W`` + AdamW state ``8 N_t / W`` (exp_avg
+  and exp_avg_sq, fp32) + the optimizer step's temporaries ``8 N_t / W`` (torch's default ``foreach`` AdamW keeps
+  about two parameter-sized fp32 buffers of the trainable shard) + accumulated gradients ``4 N_t`` (only with
+  ``micro_batches > 1`` and ``grad_sync = "step"`` on a sharded model: FSDP2 keeps every unit's *unsharded* fp32
+  gradient until the step's last micro-batch) + gathered weights ``c (n_root + 2 n_unit) + 4 n_unit_t`` (FSDP2 keeps
+  the root unit, embeddings + LM head + final norm, gathered through forward and backward, gathers one decoder
+  layer or the vision tower at a time with one prefetched, and holds that unit's unsharded fp32 gradient before its
+  reduce-scatter) + activations (``activation_bytes``, one micro-batch's graph).
+- **save** (the streamed export, on the writing rank) = parameters + AdamW state (gradients are freed after the
+  step) + one gathered tensor ``n_max * (4 + k)`` (fp32, and its cast to the checkpoint dtype) + one output shard
+  ``min(5 GB, S)`` (``save_pretrained``'s default bound of a safetensors file).
+
+On CUDA the shard, the training state and the activations are GPU memory; the load's read buffer and the save's
+output shard are host memory. On the CPU everything is host memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+
+from vlm_sft.config import TINY_MODELS, ConfigError, LoraSettings, RunConfig, cli_parser, parse_cli
+from vlm_sft.flops import qwen3_5_0_8b_config, qwen3_5_9b_config, qwen3_5_27b_config, qwen3_5_35b_a3b_config
+from vlm_sft.model.loss import DEFAULT_CHUNK
+from vlm_sft.model.moe import is_moe_text_config
+
+GB = 1e9
+"""Figures are printed in GB (10^9 bytes), the unit GPU memory is sold in (an H100 has 80 GB, an H200 141 GB)."""
+MAX_SHARD_BYTES = 5 * 10**9
+"""The export's bound on one safetensors file (``save_pretrained``'s default ``max_shard_size = "5GB"``)."""
+FP32 = 4
+
+KNOWN_SHAPES: dict[str, Callable[[], Qwen3_5Config | Qwen3_5MoeConfig]] = {
+    "Qwen/Qwen3.5-0.8B": qwen3_5_0_8b_config,
+    "Qwen/Qwen3.5-9B": qwen3_5_9b_config,
+    "Qwen/Qwen3.5-27B": qwen3_5_27b_config,
+    "Qwen/Qwen3.5-35B-A3B": qwen3_5_35b_a3b_config,
+}
+"""Hub ids whose config is written out in ``vlm_sft/flops.py``, so a plan needs no download."""
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """Parameter counts of a whole model (global, not per rank), as the plan needs them."""
+
+    total: int
+    """Elements of the base model's parameters, tied ones once (LoRA adapters and ``modules_to_save`` copies left
+    out): what the checkpoint holds."""
+    trainable: int
+    """Elements that get gradients and AdamW state (fp32)."""
+    param_bytes: int
+    """Bytes of every parameter as stored in training (fp32 master weights; a bf16 LoRA run's frozen base in bf16)."""
+    largest: int
+    """Elements of the largest parameter (the load's read buffer, the save's gathered tensor)."""
+    root: int
+    """Elements FSDP2's root unit holds: whatever is outside the decoder layers and the vision tower (embeddings, LM
+    head, final norm)."""
+    largest_unit: int
+    """Elements of the largest other FSDP2 unit (a decoder layer or the vision tower)."""
+    largest_unit_trainable: int
+    """Trainable elements of that unit (its unsharded fp32 gradient before the reduce-scatter)."""
+    lm_head_trains: bool
+    """Whether the LM head gets a gradient (the chunked loss then builds its fp32 gradient in forward)."""
+    vision_trains: bool
+    """Whether the vision tower trains (its activations are kept for backward)."""
+
+    @classmethod
+    def of_model(cls, model: nn.Module) -> ModelCounts:
+        """Counts of a ``Qwen3_5VLM`` on any device, meta included; a sharded DTensor counts its global size."""
+        params = list(model.parameters())  # tied parameters once
+        inner = model.model
+        units = [*inner.language_model.layers, inner.visual]
+        unit_sizes = [(sum(p.numel() for p in u.parameters()), u) for u in units]
+        n_unit, unit = max(unit_sizes, key=lambda x: x[0])
+        in_units = sum(n for n, _ in unit_sizes)
+        added = {id(p) for n, p in model.named_parameters() if ".lora_" in n or ".modules_to_save." in n}
+        return cls(
+            total=sum(p.numel() for p in params if id(p) not in added),
+            trainable=sum(p.numel() for p in params if p.requires_grad),
+            param_bytes=sum(p.numel() * p.element_size() for p in params),
+            largest=max(p.numel() for p in params),
+            root=sum(p.numel() for p in params) - in_units,
+            largest_unit=n_unit,
+            largest_unit_trainable=sum(p.numel() for p in unit.parameters() if p.requires_grad),
+            lm_head_trains=any(p.requires_grad for p in model.lm_head.parameters()),
+            vision_trains=any(p.requires_grad for p in inner.visual.parameters()),
+        )
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one micro-batch holds on one rank, for the activation estimate."""
+
+    tokens: int
+    """Tokens of one micro-batch on this rank: rows x row length / ``cp_size``."""
+    activation_checkpointing: bool
+    """Each decoder layer recomputed in backward (``model.activation_checkpointing``)."""
+    compute_bytes: int
+    """Bytes per activation element: 2 in bf16, 4 in fp32."""
+    vision_patches: int = 0
+    """Patches of one micro-batch (counted only when the vision tower trains)."""
+    loss_chunk: int = DEFAULT_CHUNK
+    """Tokens per chunk of the chunked cross-entropy."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Planned bytes on one rank (estimates; the module docstring gives each formula)."""
+
+    world_size: int
+    """Ranks of the job."""
+    checkpoint_bytes: int
+    """S: the checkpoint's size on disk (planned: every parameter in the checkpoint dtype)."""
+    load_shard: int
+    """This rank's final parameter shard, written in place by the sharded load."""
+    load_read_buffer: int
+    """Rows of the largest tensor, read in the checkpoint dtype and cast (host memory)."""
+    params: int
+    """This rank's parameters as trained (the load's shard)."""
+    grads: int
+    """fp32 gradients of the rank's trainable shard."""
+    optimizer_state: int
+    """AdamW exp_avg + exp_avg_sq, fp32, of the trainable shard."""
+    optimizer_temporaries: int
+    """The foreach AdamW step's own buffers: about two fp32 copies of the trainable shard."""
+    accumulated_grads: int
+    """Unsharded fp32 gradients kept across micro-batches (``grad_sync = "step"``, ``micro_batches > 1``)."""
+    gathered_weights: int
+    """FSDP2's gathered units in the compute dtype, and one unit's unsharded gradient."""
+    activations: int
+    """One micro-batch's saved activations and the chunked loss's buffers (``activation_bytes``)."""
+    save_gathered: int
+    """The streamed export's one gathered tensor (fp32 and its cast)."""
+    save_output_shard: int
+    """One output safetensors file, assembled on the writing rank (host memory)."""
+
+    @property
+    def load(self) -> int:
+        return self.load_shard + self.load_read_buffer
+
+    @property
+    def training(self) -> int:
+        return (
+            self.params + self.grads + self.optimizer_state + self.optimizer_temporaries + self.accumulated_grads
+            + self.gathered_weights + self.activations
+        )  # fmt: skip
+
+    @property
+    def save(self) -> int:
+        return self.params + self.optimizer_state + self.save_gathered + self.save_output_shard
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self) | {"load": self.load, "training": self.training, "save": self.save}
+
+
+# ------------------------------------------------------------------------------------------------ the estimate
+
+
+def layer_activation_elements(text, layer_type: str) -> int:
+    """Elements one decoder layer keeps for backward per token (an estimate: the tensors autograd saves).
+
+    ``4 D`` (the two norms' inputs and outputs) + the token mixer + the MLP, where GatedDeltaNet keeps
+    ``6 K + 5 V + 2 H_v`` (qkv projection before and after the conv, normalised q and k, the rule's output, z, the gated
+    norm's output, b and a; ``K`` = key heads x key dim, ``V`` = value heads x value dim), full attention ``5 Q + 3 KV``
+    (q with its gate, k, v, normalised and rotated q and k, the output, the gated output; ``Q`` = query heads x
+    head dim, ``KV`` = kv heads x head dim), a dense MLP ``4 I`` (gate, up, the activation, the product) and an MoE
+    block ``k (2 D + 4 I_e) + 4 I_s + E`` (each of the token's ``k`` expert slots: its input copy, gate-up, the
+    activation, the product and its output; the shared expert; the router logits).
+    """
+    d = text.hidden_size
+    if layer_type == "linear_attention":
+        key = text.linear_num_key_heads * text.linear_key_head_dim
+        value = text.linear_num_value_heads * text.linear_value_head_dim
+        mixer = 6 * key + 5 * value + 2 * text.linear_num_value_heads
+    else:
+        head_dim = getattr(text, "head_dim", None) or d // text.num_attention_heads
+        mixer = 5 * text.num_attention_heads * head_dim + 3 * text.num_key_value_heads * head_dim
+    if is_moe_text_config(text):
+        mlp = text.num_experts_per_tok * (2 * d + 4 * text.moe_intermediate_size)
+        mlp += 4 * text.shared_expert_intermediate_size + text.num_experts
+    else:
+        mlp = 4 * text.intermediate_size
+    return 4 * d + mixer + mlp
+
+
+def activation_bytes(config: Qwen3_5Config | Qwen3_5MoeConfig, step: StepShape, counts: ModelCounts) -> int:
+    """Bytes one micro-batch keeps alive at its peak on one rank (an **estimate**), with ``T`` tokens, ``c`` bytes:
+
+    - decoder layers, without activation checkpointing: ``T c sum_l a_l`` (``a_l``: ``layer_activation_elements``);
+      with it: ``T c (L D + 2 max_l a_l)`` (every layer's input, plus one layer recomputed and its backward buffers);
+    - chunked loss: ``T D c`` (the hidden-state gradient it computes in forward) + ``N V (4 + c)`` (one chunk of
+      ``N = min(T, 1024)`` fp32 logits and its gradient in the compute dtype) + ``4 V D`` when the LM head trains
+      (its fp32 gradient, built in forward);
+    - vision tower, only when it trains: ``P c depth (8 D_v + 2 I_v)`` for ``P`` patches (a frozen tower runs without
+      autograd and keeps nothing).
+
+    Not counted: the batch itself, the merged image features, the allocator's fragmentation.
+    """
+    text, vision = config.text_config, config.vision_config
+    t, c, d = step.tokens, step.compute_bytes, text.hidden_size
+    per_layer = [layer_activation_elements(text, kind) for kind in text.layer_types]
+    if step.activation_checkpointing:
+        layers = t * c * (len(per_layer) * d + 2 * max(per_layer))
+    else:
+        layers = t * c * sum(per_layer)
+    chunk = min(t, step.loss_chunk)
+    loss = t * d * c + chunk * text.vocab_size * (FP32 + c)
+    if counts.lm_head_trains:
+        loss += FP32 * text.vocab_size * d
+    vis = 0
+    if counts.vision_trains:
+        vis = step.vision_patches * c * vision.depth * (8 * vision.hidden_size + 2 * vision.intermediate_size)
+    return layers + loss + vis
+
+
+def plan(
+    counts: ModelCounts,
+    config: Qwen3_5Config | Qwen3_5MoeConfig,
+    step: StepShape,
+    *,
+    world_size: int,
+    sharded: bool,
+    micro_batches: int = 1,
+    grad_sync: str = "step",
+    checkpoint_elem_bytes: int = 2,
+    checkpoint_bytes: int | None = None,
+    local_param_bytes: int | None = None,
+    local_trainable: int | None = None,
+) -> MemoryPlan:
+    """The plan of one rank (module docstring). ``local_param_bytes`` / ``local_trainable``: this rank's real shard
+    (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even ``1 / W`` split."""
+    w = world_size if sharded else 1
+    shard = counts.param_bytes // w if local_param_bytes is None else local_param_bytes
+    trainable = counts.trainable // w if local_trainable is None else local_trainable
+    size = checkpoint_bytes if checkpoint_bytes is not None else counts.total * checkpoint_elem_bytes
+    c = step.compute_bytes
+    accumulate = sharded and micro_batches > 1 and grad_sync == "step"
+    gathered = c * (counts.root + 2 * counts.largest_unit) + FP32 * counts.largest_unit_trainable if sharded else 0
+    return MemoryPlan(
+        world_size=world_size,
+        checkpoint_bytes=size,
+        load_shard=shard,
+        load_read_buffer=-(-counts.largest // w) * (checkpoint_elem_bytes + FP32),
+        params=shard,
+        grads=FP32 * trainable,
+        optimizer_state=2 * FP32 * trainable,
+        optimizer_temporaries=2 * FP32 * trainable,
+        accumulated_grads=FP32 * counts.trainable if accumulate else 0,
+        gathered_weights=gathered,
+        activations=activation_bytes(config, step, counts),
+        save_gathered=counts.largest * (FP32 + checkpoint_elem_bytes),
+        save_output_shard=min(MAX_SHARD_BYTES, size),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ from a config
+
+
+def step_shape(cfg: RunConfig, config: Qwen3_5Config | Qwen3_5MoeConfig, compute_bytes: int) -> StepShape:
+    """One micro-batch of ``cfg`` computed in ``compute_bytes`` per element: one row of ``pack_len`` (packed modes; ``stack``: ``stack_batch_size`` rows of up
+    to ``seq_len``), split over ``cp_size``; patches bounded by ``max_image_patches_per_pack`` or by every token being
+    an image token (``merge^2`` patches each)."""
+    d = cfg.data
+    rows, length = (d.stack_batch_size, d.seq_len) if d.packing == "stack" else (1, d.pack_len)
+    tokens = rows * length
+    patches = tokens * config.vision_config.spatial_merge_size**2
+    if d.max_image_patches_per_pack is not None:
+        patches = min(patches, rows * d.max_image_patches_per_pack)
+    return StepShape(
+        tokens=tokens // cfg.train.cp_size,
+        activation_checkpointing=cfg.model.activation_checkpointing,
+        compute_bytes=compute_bytes,
+        vision_patches=patches,
+    )
+
+
+def hf_config_for(cfg: RunConfig) -> Qwen3_5Config | Qwen3_5MoeConfig:
+    """The model config ``cfg`` trains, without downloading: a tiny preset, a known hub id (``KNOWN_SHAPES``) or a
+    local checkpoint directory's ``config.json``."""
+    name = cfg.model.name_or_path
+    if name in TINY_MODELS:
+        from vlm_sft.trainer.build import tiny_model_config
+
+        return tiny_model_config(cfg)
+    if name in KNOWN_SHAPES:
+        return KNOWN_SHAPES[name]()
+    if (Path(name).expanduser() / "config.json").is_file():
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(Path(name).expanduser())
+    raise ConfigError(
+        f"model.name_or_path = {name!r}: no local config.json and not one of the shapes known offline "
+        f"({', '.join(KNOWN_SHAPES)}); point it at a checkpoint directory"
+    )
+
+
+def meta_counts(
+    config: Qwen3_5Config | Qwen3_5MoeConfig, *, lora: LoraSettings | None, bf16: bool, freeze_vision: bool = True
+) -> ModelCounts:
+    """``ModelCounts`` of the model a run would build (LoRA adapters and the frozen dtype included), on the meta
+    device: nothing is allocated, so a 35B model counts in seconds."""
+    from vlm_sft.model.backends import resolve_backends
+    from vlm_sft.model.lora import attach_lora, store_frozen_in
+    from vlm_sft.model.vlm import Qwen3_5VLM
+
+    with torch.device("meta"):
+        model = Qwen3_5VLM(config, resolve_backends("cpu"), freeze_vision=freeze_vision)
+        if lora is not None:
+            attach_lora(
+                model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules,
+                modules_to_save=lora.modules_to_save,
+            )  # fmt: skip
+            store_frozen_in(model, torch.bfloat16 if bf16 else torch.float32)
+    return ModelCounts.of_model(model)
+
+
+def plan_for_run(cfg: RunConfig, world_size: int, *, device_type: str = "cuda") -> MemoryPlan:
+    """The plan of ``cfg`` on ``world_size`` ranks, without a model (meta counts of the model it would build)."""
+    config = hf_config_for(cfg)
+    bf16 = cfg.model.dtype == "bfloat16"
+    freeze = cfg.model.vlm is None or cfg.model.vlm.freeze_vision
+    counts = meta_counts(config, lora=cfg.model.lora, bf16=bf16, freeze_vision=freeze)
+    step = step_shape(cfg, config, 2 if bf16 else FP32)
+    sharded = world_size > 1 or device_type == "cuda"
+    return plan(
+        counts, config, step, world_size=world_size, sharded=sharded, micro_batches=cfg.train.micro_batches,
+        grad_sync=cfg.train.grad_sync,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ the table
+
+TABLE_MODELS = ("Qwen/Qwen3.5-0.8B", "Qwen/Qwen3.5-9B", "Qwen/Qwen3.5-27B", "Qwen/Qwen3.5-35B-A3B")
+TABLE_SETTINGS = {
+    "model.dtype": "bfloat16",
+    "model.activation_checkpointing": True,
+    "data.pack_len": 16384,
+    "data.seq_len": 8192,
+    "data.max_image_patches_per_pack": 65536,
+    "train.micro_batches": 1,
+}
+"""The settings of the README's table: the shipped GPU configs' (bf16, activation checkpointing, 16k-token rows,
+frozen vision tower), one micro-batch per step."""
+
+
+def table_rows(world_size: int = 8) -> list[dict]:
+    """The plan of each ``TABLE_MODELS`` entry, full fine-tuning and LoRA (r 16 on every text projection)."""
+    rows = []
+    for name in TABLE_MODELS:
+        for mode in ("full", "lora"):
+            model = {"name_or_path": name, "vlm": {"freeze_vision": True}}
+            model |= {k.split(".", 1)[1]: v for k, v in TABLE_SETTINGS.items() if k.startswith("model.")}
+            if mode == "lora":
+                model["lora"] = {}
+            data = {k.split(".", 1)[1]: v for k, v in TABLE_SETTINGS.items() if k.startswith("data.")}
+            cfg = RunConfig(model=model, data=data, train={"device": "cuda", "micro_batches": 1})
+            p = plan_for_run(cfg, world_size)
+            rows.append({"model": name.split("/")[-1], "mode": mode, **p.to_dict()})
+    return rows
+
+
+COLUMNS = (
+    ("load", "load"), ("params", "params"), ("grads", "grads"), ("optimizer_state", "AdamW"),
+    ("optimizer_temporaries", "step tmp"), ("gathered_weights", "gathered"), ("activations", "activ."),
+    ("training", "training"), ("save", "save"),
+)  # fmt: skip
+"""(plan key, header) of the printed table, in GB per rank."""
+
+
+def format_table(rows: list[dict], world_size: int) -> str:
+    """The table as the README shows it (GB per rank, estimates)."""
+    head = f"{'model':<16} {'mode':<5} {'S (GB)':>7} " + " ".join(f"{h:>9}" for _, h in COLUMNS)
+    lines = [
+        f"Planned memory per rank at {world_size} GPUs, GB (estimates; vlm_sft/trainer/memory_plan.py): bf16, "
+        "activation checkpointing, 16384-token rows, 1 micro-batch, frozen vision",
+        head,
+        "-" * len(head),
+    ]
+    for r in rows:
+        cells = " ".join(f"{r[k] / GB:>9.1f}" for k, _ in COLUMNS)
+        lines.append(f"{r['model']:<16} {r['mode']:<5} {r['checkpoint_bytes'] / GB:>7.1f} {cells}")
+    return "\n".join(lines)
+
+
+def format_plan(p: MemoryPlan, title: str) -> str:
+    """One plan as labelled lines (GB per rank)."""
+    rows = [(k, v) for k, v in p.to_dict().items() if k not in ("world_size", "checkpoint_bytes")]
+    return "\n".join([title, *(f"  {k:<22} {v / GB:8.2f} GB" for k, v in rows)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = cli_parser(
+        "python -m vlm_sft.trainer.memory_plan",
+        "Planned memory per rank (estimates). Without --config: the table of Qwen3.5-0.8B, 9B, 27B and 35B-A3B. "
+        "With --config: that run's plan (hub ids of those four need no download).",
+    )
+    parser.add_argument("--world-size", type=int, default=8, help="ranks (GPUs) of the job (default 8)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="where it runs (default cuda)")
+    args = sys.argv[1:] if argv is None else argv
+    known, rest = parser.parse_known_args(args)
+    if known.config is None and not rest:
+        print(format_table(table_rows(known.world_size), known.world_size))
+        return 0
+    known, cfg = parse_cli(parser, args)
+    if cfg is None:
+        return 2
+    p = plan_for_run(cfg, known.world_size, device_type=known.device)
+    print(format_plan(p, f"planned memory per rank at {known.world_size} ranks (estimates)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
