@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import resource
 import subprocess
 import sys
 import threading
@@ -258,8 +257,18 @@ def test_filler_batch_is_valid_and_contributes_nothing():
 # ------------------------------------------------------------------------------------------------------ memory
 
 
+def _peak_kb() -> int:
+    """This process's own resident high-water mark (``VmHWM``). Not ``ru_maxrss``: Linux carries the parent's peak
+    into it across fork + exec, so a child of a large pytest process would measure only what rises above its
+    parent's size (eval's chunk then looked 3x too small in a full suite run)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def memory_child(tokens: int, hidden: int, chunk_size: int) -> None:
-    """Measures like ``bench/bench_loss_memory.py`` (``ru_maxrss`` above the peak after building the inputs): eval
+    """Measures like ``bench/bench_loss_memory.py`` (the high-water mark above the peak after building the inputs): eval
     first, then the chunked training loss (fwd + bwd) on the same tokens. The training loss raises the high-water
     mark further only if its peak is above eval's, so both figures are exact when eval fits its budget."""
     gen = torch.Generator().manual_seed(0)
@@ -275,12 +284,12 @@ def memory_child(tokens: int, hidden: int, chunk_size: int) -> None:
     model = LMHeadStub(weight, weight, chunk_size)  # tied: the hidden state is the head's own row
     hidden = weight[ids].requires_grad_()
     head = weight.detach().requires_grad_()
-    baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline_kb = _peak_kb()
     out = evaluate(model, [batch], env=ONE_RANK)
-    eval_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    eval_kb = _peak_kb()
     loss, count = chunked_cross_entropy(hidden, head, batch.target_ids.view(-1), batch.loss_mask.view(-1))
     loss.backward()
-    train_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    train_kb = _peak_kb()
     figures = {
         "eval_mb": (eval_kb - baseline_kb) / 1024,
         "train_mb": (train_kb - baseline_kb) / 1024,
@@ -300,7 +309,7 @@ def test_eval_peak_memory_fits_the_chunked_training_loss():
     chunk_logits_mb = chunk * QWEN3_5_VOCAB * 4 / 2**20  # 485 MB: one chunk's fp32 logits, what both must hold
     full_logits_mb = tokens * QWEN3_5_VOCAB * 4 / 2**20  # 1,940 MB
     assert got["eval_loss"] == pytest.approx(got["train_loss"], rel=1e-5)  # same tokens, same numbers
-    # The lower bound only proves the measurement sees a chunk at all: ru_maxrss counts pages first touched after the
+    # The lower bound only proves the measurement sees a chunk at all: the high-water mark counts pages first touched after the
     # baseline, and the allocator may hand back pages an earlier step already touched (0.84 of a chunk seen under load).
     assert 0.5 * chunk_logits_mb <= got["eval_mb"] < got["train_mb"], got
     assert got["eval_mb"] < 0.4 * full_logits_mb, got

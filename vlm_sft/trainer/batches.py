@@ -30,6 +30,7 @@ samples each) spread over its workers, and its first step waits for ``m`` of the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -44,6 +45,7 @@ from vlm_sft.data.accounting import DataAccounting
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import EmptyPassError, PackingPipeline
+from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none, all_reduce
 
 logger = logging.getLogger(__name__)
 
@@ -319,3 +321,22 @@ class TrainBatches:
             DataAccounting.from_dict(self._states[g]["accounting"]) if g in self._states else DataAccounting()
             for g in self.layout.cycle()
         )
+
+
+def count_steps(pipelines: Callable, layout: DataLayout, env: DistEnv, epochs: float) -> int:
+    """Optimizer steps in ``epochs`` passes (``train.epochs``): the steps before the first stream runs out. Each rank counts the
+    packs of its own streams in one pass of their pipelines without a model (``DataLayout.steps_before_end``: a
+    stream with ``p`` packs is exhausted at its ``p + 1``-th visit), and the ranks agree on the least. A fractional
+    epoch counts that fraction of each stream's packs."""
+    whole = int(epochs) if float(epochs).is_integer() else int(epochs) + 1
+    with all_ranks_or_none(env, "counting the training steps"):
+        counting = dataclasses.replace(pipelines, epochs=whole)  # a build.TrainPipelines
+        packs = {g: int(sum(1 for _ in counting(g, layout.num_streams)) / whole * epochs) for g in layout.cycle()}
+    steps = min(layout.steps_before_end(g, p) for g, p in packs.items())
+    steps = int(all_reduce(torch.tensor([steps]), env, "min"))  # every rank must run the same number of steps
+    if steps < 1:
+        raise ValueError(
+            f"train.epochs = {epochs} gives no full optimizer step (one of the {layout.num_streams} data streams "
+            "runs out in the first step); raise epochs or lower data.streams_per_micro_batch"
+        )
+    return steps

@@ -224,6 +224,15 @@ def checkpoint_path(cfg: RunConfig) -> Path | None:
     return None if cfg.model.name_or_path in TINY_MODELS else resolve_checkpoint_dir(cfg.model.name_or_path)
 
 
+def weights_source(cfg: RunConfig):
+    """The index (headers only) of the checkpoint the run loads its weights from, for the export (each tensor's
+    dtype, the ``mtp.*`` head to copy back); None for a random-init preset."""
+    from vlm_sft.checkpoint.hf_dir import CheckpointIndex
+
+    path = checkpoint_path(cfg)
+    return None if path is None else CheckpointIndex.open(path)
+
+
 def build_model(
     cfg: RunConfig, device: torch.device, *, env: DistEnv | None = None, resuming: bool = False
 ) -> torch.nn.Module:

@@ -248,9 +248,15 @@ def all_ranks_or_none(env: DistEnv, what: str) -> Iterator[None]:
     check_peers(env, what, error)
 
 
-def cleanup(env: DistEnv) -> None:
-    """Leave the process group (every rank, at exit, success or failure)."""
+def cleanup(env: DistEnv, *, finished: bool) -> None:
+    """Leave the process group (every rank, at exit, success or failure).
+
+    ``finished`` (every rank got through the run): a barrier first, so no rank tears its gloo pairs down while a peer
+    still has work in flight on them (seen as "terminate called without an active exception", a SIGABRT at exit
+    after a finished run). After a failure there is no barrier: the failed rank's peers may never reach it."""
     if env.sharded and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -18,7 +18,6 @@ files written on rank 0, the packing self-check) is followed by an agreement, so
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -47,12 +46,11 @@ from vlm_sft.data.collate import collate
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.trainer import build
-from vlm_sft.trainer.batches import DataLayout, TrainBatches, check_position, resolve_num_workers
+from vlm_sft.trainer.batches import DataLayout, TrainBatches, check_position, count_steps, resolve_num_workers
 from vlm_sft.trainer.data_accounting import RunAccounting
 from vlm_sft.trainer.distributed import (
     DistEnv,
     all_ranks_or_none,
-    all_reduce,
     all_reduce_sum,
     cleanup,
     context_parallel_groups,
@@ -145,15 +143,19 @@ def train(cfg: RunConfig, *, dry_run: bool = False) -> RunResult:
     (``trainer.dry_run``) and no step, no checkpoint."""
     t_start = time.perf_counter()
     env = init_distributed(cfg.train.device)
+    finished = False
     try:
         run = setup(cfg, env)
         if dry_run:
-            return _dry_run(run, t_start)
+            result = _dry_run(run, t_start)
+            finished = True
+            return result
         last_eval, train_time, real_tokens = run_steps(run)
         data = run.accounting.report(run.step, "end of the run")
         final_dir = export_final(run.out_dir / "final", run.model, run.processor, env, cfg, source=run.weights_source)
+        finished = True
     finally:
-        cleanup(env)
+        cleanup(env, finished=finished)
     wall = time.perf_counter() - t_start
     tok_s = real_tokens / max(train_time, 1e-9)
     if env.is_main:
@@ -207,7 +209,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     model.train()
     num_workers = resolve_num_workers(cfg.data.num_workers, log=env.is_main)
     pipelines = build.TrainPipelines(cfg, sources.train, renderer)
-    total_steps = cfg.train.max_steps or _count_steps(cfg, pipelines, layout, env)
+    total_steps = cfg.train.max_steps or count_steps(pipelines, layout, env, cfg.train.epochs)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
     step, data_state = _resume(cfg, env, out_dir, model, optimizer, scheduler, layout)
@@ -237,14 +239,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     accounting = RunAccounting(out_dir, env, train_batches, replica=cp.rank > 0)
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
-        metrics, total_steps, step, compute_dtype, balance, cp, _weights_source(cfg),
+        metrics, total_steps, step, compute_dtype, balance, cp, build.weights_source(cfg),
     )  # fmt: skip
-
-
-def _weights_source(cfg: RunConfig) -> CheckpointIndex | None:
-    """The index (headers only) of the checkpoint the run loads its weights from; None for a random-init preset."""
-    path = build.checkpoint_path(cfg)
-    return None if path is None else CheckpointIndex.open(path)
 
 
 def _prepare(cfg: RunConfig, env: DistEnv, out_dir: Path) -> tuple[Any, Any]:
@@ -321,26 +317,6 @@ def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: Dis
         packing="stack" if cfg.data.packing == "stack" else "cat",
     )
     return [collate([p], pad_id=pad_id) for p in pipeline]
-
-
-def _count_steps(cfg: RunConfig, pipelines: build.TrainPipelines, layout: DataLayout, env: DistEnv) -> int:
-    """Optimizer steps in ``train.epochs`` passes: the steps before the first stream runs out. Each rank counts the
-    packs of its own streams in one pass of their pipelines without a model (``DataLayout.steps_before_end``: a
-    stream with ``p`` packs is exhausted at its ``p + 1``-th visit), and the ranks agree on the least. A fractional
-    epoch counts that fraction of each stream's packs."""
-    epochs = cfg.train.epochs
-    whole = int(epochs) if float(epochs).is_integer() else int(epochs) + 1
-    with all_ranks_or_none(env, "counting the training steps"):
-        counting = dataclasses.replace(pipelines, epochs=whole)
-        packs = {g: int(sum(1 for _ in counting(g, layout.num_streams)) / whole * epochs) for g in layout.cycle()}
-    steps = min(layout.steps_before_end(g, p) for g, p in packs.items())
-    steps = int(all_reduce(torch.tensor([steps]), env, "min"))  # every rank must run the same number of steps
-    if steps < 1:
-        raise ValueError(
-            f"train.epochs = {epochs} gives no full optimizer step (one of the {layout.num_streams} data streams "
-            "runs out in the first step); raise epochs or lower data.streams_per_micro_batch"
-        )
-    return steps
 
 
 # ------------------------------------------------------------------------------------------------ the steps
