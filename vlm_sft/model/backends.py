@@ -12,9 +12,10 @@ are faster when their packages are installed:
 | MoE routed experts    | ``grouped_mm`` (sm90 / sm100), ``sorted`` | ``grouped_mm``  |
 
 ``resolve_backends`` is called once at model build. It never imports flash-linear-attention, triton, flash-attn or
-causal-conv1d: availability is probed with ``importlib.util.find_spec`` (and ``torch.cuda``), because importing fla
-on a machine without a GPU either exports nothing or makes transformers route Qwen3.5 to triton kernels that then
-fail. The kernels themselves import their package on first use, on CUDA only. A backend requested by name that is
+causal-conv1d: availability is probed with ``importlib.util.find_spec`` (and ``torch.cuda``), because importing a
+package has side effects (fla probes the device at import and, without triton, exports nothing). The kernels
+themselves import their package on first use, on CUDA only. The fla paths also run on the CPU in CI, under Triton's
+interpreter (``tests/test_kernels_interpret.py``, ``pytest -m interpret``): tests build ``Backends`` by hand there. A backend requested by name that is
 missing or cannot run on the device raises ``BackendUnavailableError`` right away, with the fix; ``"auto"`` takes
 the best available one. The choice and the reason are logged once per distinct request.
 

@@ -66,7 +66,9 @@ def _torch_conv(x_TC, weight_CW, bias_C, lengths: tuple[int, ...], activation):
 
 
 def _fla_conv(x_TC, weight_CW, bias_C, segments: Segments, activation):
-    from fla.modules.convolution import causal_conv1d as fla_causal_conv1d  # CUDA-only import, this backend only
+    # CUDA-only import, this backend only; fla.modules.causal_conv1d is the conv's home (fla.modules.convolution is a
+    # back-compat alias of it).
+    from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
 
     out = fla_causal_conv1d(
         x=x_TC.unsqueeze(0),
@@ -74,6 +76,7 @@ def _fla_conv(x_TC, weight_CW, bias_C, segments: Segments, activation):
         bias=bias_C,
         activation=activation,
         cu_seqlens=segments.cu_seqlens_long,
+        cu_seqlens_cpu=segments.cu_seqlens_cpu,  # chunk indices from the host copy: no device-to-host read
     )
     y = out[0] if isinstance(out, tuple) else out  # (y, final_state) in fla >= 0.2
     return y.squeeze(0)

@@ -6,13 +6,14 @@ Recurrence (per head, per token ``t`` of a segment, state ``S`` of shape ``[K, V
     S = S + k_t (beta_t * (v_t - S^T k_t))^T
     o_t = S^T q_t                      (q_t l2-normalised and scaled by K ** -0.5, k_t l2-normalised)
 
-Backends: ``"fla"`` calls flash-linear-attention's ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA + triton);
-``"torch"`` is our varlen chunked rule: every segment is padded to whole chunks inside the kernel, so no chunk spans
-two segments. Segments longer than a chunk form one multi-chunk group: all their chunks go through the intra-chunk
-algebra in one batched computation, and the inter-chunk scan carries one state per segment (segments ranked by chunk
-count, so the ones still running at scan step ``j`` are a prefix and each step is one batched matmul). Shorter
-segments are bucketed by length (``varlen.grouped_chunk_layout``) into single-chunk groups, each padded only to its
-own longest member; a single-chunk segment never reads or writes a state, so those groups skip the ``w`` half of the
+Backends: ``"fla"`` calls flash-linear-attention's ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA + triton; it
+computes in the inputs' dtype, float32 included, and maps each value head to its key head itself, so q / k keep the
+key-head count); ``"torch"`` is our varlen chunked rule: every segment is padded to whole chunks inside the kernel, so
+no chunk spans two segments. Segments longer than a chunk form one multi-chunk group: all their chunks go through the
+intra-chunk algebra in one batched computation, and the inter-chunk scan carries one state per segment (segments ranked
+by chunk count, so the ones still running at scan step ``j`` are a prefix and each step is one batched matmul). Shorter
+segments are bucketed by length (``varlen.grouped_chunk_layout``) into single-chunk groups, each padded only to its own
+longest member; a single-chunk segment never reads or writes a state, so those groups skip the ``w`` half of the
 triangular solve and the scan entirely. Log decays are floored at ``LOG_DECAY_FLOOR`` before ``exp`` (denormal fp32
 values are tens of times slower on CPUs; the floor is far below fp32 resolution). ``naive_recurrent_gated_delta_rule``
 is the token-by-token reference the tests hold both against.
@@ -53,14 +54,15 @@ def gated_delta_rule(
 ) -> torch.Tensor:
     """Gated delta rule over the flattened tokens of a packed row; returns ``o_THV`` in ``v``'s dtype.
 
-    ``q``/``k`` carry as many heads as ``v`` (transformers repeats the key heads to the value-head count first; if
-    fewer are given they are repeated here the same way). ``g`` is the log decay (<= 0), ``beta`` is already
-    sigmoid-ed. ``chunk_size`` only applies to the torch backend.
+    ``q``/``k`` carry the key heads, as many as ``v``'s value heads or a divisor of them: value head ``h`` reads key
+    head ``h // (H_v // H_k)`` (transformers' ``repeat_interleave``). The torch backend repeats them here; fla reads
+    the shared key heads in place (no ``H_v / H_k`` times larger copies of q / k and of their gradients). ``g`` is the
+    log decay (<= 0), ``beta`` is already sigmoid-ed. ``chunk_size`` only applies to the torch backend.
     """
     _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
     segments.check_tokens(v_THV.shape[0], "gated_delta_rule")
-    q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
     if backend == "torch":
+        q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
         return _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments.lengths, use_qk_l2norm, chunk_size)
     if backend == "fla":
         return _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments, use_qk_l2norm)
@@ -79,7 +81,8 @@ def naive_recurrent_gated_delta_rule(
 ) -> torch.Tensor:
     """Token-by-token reference (the math of transformers' ``torch_recurrent_gated_delta_rule``), one segment at a time.
 
-    Slow by design: it is the definition the chunked kernels are tested against, in float32.
+    Slow by design: it is the definition the chunked kernels are tested against, in float32 (float64 for float64
+    inputs).
     """
     _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
     segments.check_tokens(v_THV.shape[0], "naive_recurrent_gated_delta_rule")
@@ -127,8 +130,11 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _prepare(q, k, v, g, beta, use_qk_l2norm: bool):
-    """fp32 copies with the l2 norm and the ``K ** -0.5`` query scale applied, as transformers does before chunking."""
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    """fp32 copies with the l2 norm and the ``K ** -0.5`` query scale applied, as transformers does before chunking.
+
+    float64 values stay float64 (a reference finer than any kernel: the noise-floor checks' float64 model)."""
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
@@ -242,14 +248,12 @@ def _chunked_scan(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC, step_sizes: tuple[int
 
 
 def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments: Segments, use_qk_l2norm: bool):
-    """flash-linear-attention's varlen chunked kernel: inputs ``[1, T, H, *]`` with ``cu_seqlens`` (no fp32 support)."""
+    """flash-linear-attention's varlen chunked kernel: inputs ``[1, T, H, *]`` with ``cu_seqlens``, computed in
+    ``v``'s dtype (fla 0.6 has float32 kernels: a float32 config gets float32, not a silent bf16 downcast)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # CUDA-only import: only reached on that backend
 
-    out_dtype = v_THV.dtype
-    compute_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-    if out_dtype == torch.float32:
-        _warn_fp32_once()
-    q, k, v, beta = (x.to(compute_dtype).unsqueeze(0) for x in (q_THK, k_THK, v_THV, beta_TH))
+    dtype = v_THV.dtype
+    q, k, v, beta = (x.to(dtype).unsqueeze(0) for x in (q_THK, k_THK, v_THV, beta_TH))
     o, _ = chunk_gated_delta_rule(
         q,
         k,
@@ -261,10 +265,6 @@ def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments: Segments, use_qk_
         output_final_state=False,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
         cu_seqlens=segments.cu_seqlens_long,
+        cu_seqlens_cpu=segments.cu_seqlens_cpu,  # chunk indices from the host copy: no device-to-host read
     )
-    return o.squeeze(0).to(out_dtype)
-
-
-@functools.cache
-def _warn_fp32_once() -> None:
-    logger.warning("fla's gated delta rule has no float32 kernel: float32 inputs are computed in bfloat16")
+    return o.squeeze(0)

@@ -152,9 +152,6 @@ class GatedDeltaNet(nn.Module):
         q_THK = q_TC.reshape(T, n_k, self.head_k_dim)
         k_THK = k_TC.reshape(T, n_k, self.head_k_dim)
         v_THV = v_TC.reshape(T, n_v, self.head_v_dim)
-        if n_v != n_k:
-            q_THK = q_THK.repeat_interleave(n_v // n_k, dim=1)
-            k_THK = k_THK.repeat_interleave(n_v // n_k, dim=1)
         heads = slice(cp.rank * n_v, (cp.rank + 1) * n_v)
         # Log decay in float32: exp(A_log) of a bf16 A_log would be coarse, and fp16 overflows.
         g_TH = -self.A_log[heads].float().exp() * F.softplus(a_TH.float() + self.dt_bias[heads])

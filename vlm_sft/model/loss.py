@@ -11,7 +11,9 @@ Backends:
   so at most one chunk of logits is alive at any time, in forward or backward. Gradients are computed in forward
   only when an input needs them (eval pays one matmul per chunk); one backward per forward (no ``retain_graph``
   second pass: the stored gradients are scaled in place and handed over).
-- ``"fla_fused"`` (CUDA): flash-linear-attention's fused linear cross-entropy (the same scheme in triton).
+- ``"fla_fused"`` (CUDA): flash-linear-attention's fused linear cross-entropy (the same scheme in triton). It always
+  allocates and computes an fp32 ``lm_head`` weight gradient, so when the head needs none (a frozen head under LoRA,
+  or eval: ~4 GB and one extra matmul per chunk at 248k x 4096) the ``"chunked"`` path runs instead.
 
 ``token_scores`` is the eval side of the same scheme: per-token loss and argmax, one chunk of fp32 logits at a time
 (eval and the notebooks' teacher-forced scoring both use it, through ``Qwen3_5VLM.forward(..., scores=True)``).
@@ -67,6 +69,8 @@ def chunked_cross_entropy(
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     mask = loss_mask_T.to(torch.bool)
     count = mask.sum().to(torch.float32)
+    if backend == "fla_fused" and not (torch.is_grad_enabled() and lm_head_weight_VD.requires_grad):
+        backend = "chunked"  # fla would compute the head's gradient anyway (see the module docstring)
     if backend == "chunked":
         targets = torch.where(mask, target_ids_T, torch.zeros_like(target_ids_T)).long()
         loss = _ChunkedLinearCrossEntropy.apply(hidden_TD, lm_head_weight_VD, targets, mask, chunk_size)

@@ -9,16 +9,16 @@ The packing here is a plain concatenation on purpose: this checks the model, not
 Calibration. A packed sample never equals the sample alone bit for bit (bf16 above all), so a fixed tolerance on
 the delta is a guess: too tight fails runs that leak nothing, too loose passes small leaks. Each sample also runs
 through a *reference*: a float64 copy of the model on the pure-torch kernels (SDPA, the torch gated delta rule and
-conv, the chunked loss; the fla / flash kernels have no float64 or even float32 path), autocast off. Against it:
+conv, the chunked loss; the fla / flash kernels have no float64 path), autocast off. Against it:
 
 - ``floor`` = |alone - reference|: the sample's own noise at the run's precision and kernels;
 - ``leak``  = |packed - reference|: the packed row's error;
 - ``ratio`` = leak / floor; the check passes when the logits' and the gradients' ratios are ``<= bound``.
 
-An exact packed row is another rounding of the same computation, so its ratio sits near 1; a row whose segments see
-each other lands at 10-200 (``RATIO_BOUND`` gives the measurements). The leak is measured against the reference,
-not against the sample alone: |packed - alone| reaches floor + leak with no leak at all, so it would need a bound
-twice as loose. The reference is finer than float32 (the GatedDeltaNet core, the norms and the decay stay float32
+An exact packed row is another rounding of the same computation, so its ratio sits near 1; a row whose segments see each
+other lands at 10-200 (``RATIO_BOUND`` gives the measurements). The leak is measured against the reference, not against
+the sample alone: |packed - alone| reaches floor + leak with no leak at all, so it would need a bound twice as loose.
+The reference is finer than float32 (the GatedDeltaNet core runs in float64 too; the norms and the decay stay float32
 inside it, as the model writes them), so a float32 run gets a measured floor too: fp32 gradients of ``A_log`` carry
 ~1e-3 relative error on a 24-layer model, which no fixed float32 tolerance would have allowed.
 

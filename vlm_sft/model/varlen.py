@@ -51,6 +51,14 @@ class Segments:
         """``T``: tokens covered by the segments."""
         return sum(self.lengths)
 
+    @functools.cached_property
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        """int64 ``[S + 1]`` on the host, built from ``lengths`` (no device read): flash-linear-attention derives its
+        chunk indices and longest segment from it instead of copying ``cu_seqlens_long`` back (a host sync). A cached
+        property, not a field, so nothing that moves a dataclass's tensors to the device (FSDP's input hook) moves it.
+        """
+        return torch.tensor([0, *itertools.accumulate(self.lengths)], dtype=torch.int64)
+
     @classmethod
     def from_lengths(cls, lengths: torch.Tensor | Sequence[int], device: torch.device | str | None = None) -> Segments:
         """Segments of the given lengths (a 1-D integer CPU tensor or a sequence of ints) with ``cu_seqlens`` on
