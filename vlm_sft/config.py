@@ -204,14 +204,17 @@ class DataConfig(_Section):
     process). It must divide ``streams_per_micro_batch x train.micro_batches`` (otherwise the largest divisor below
     it is used, and logged). None: one per spare core (at least 1 when the machine has a core beside each rank, at
     most 8)."""
-    streams_per_micro_batch: int = Field(8, ge=1)
+    streams_per_micro_batch: int = Field(1, ge=1)
     """The training data is cut into ``G = B x this`` streams, each packed on its own, with ``B`` the global batch
     (processes / train.cp_size x train.micro_batches); global micro-batch ``i`` is the next pack of stream ``i % G``.
     The packs of a step then depend on the global batch only, never on the number of processes or workers, and a
     checkpoint resumes on any number of processes with the same global batch. Changing it changes the data order (a
-    resume refuses it). A rank reads ``this x train.micro_batches`` streams, which bounds its useful data workers;
-    each holds its own ``bfd_buffer``. Streaming sources read each stream's own files when their number is a
-    multiple of ``G`` (otherwise every stream reads every file)."""
+    resume refuses it). A rank reads ``this x train.micro_batches`` streams, which bounds its useful data workers
+    (the GPU configs set 8: one H200 on the 0.8B model needs about 8 workers); each holds its own ``bfd_buffer``.
+    Keep each stream's share of an epoch well above ``bfd_buffer``: a stream whose whole epoch fits its buffer packs
+    it longest-first, so its steps run from long to short samples (the default run's 4000 samples over 8 streams
+    reached 37% held-out colour accuracy instead of 86% at one stream). Streaming sources read each stream's own
+    files when their number is a multiple of ``G`` (otherwise every stream reads every file)."""
     prefetch_packs: int = Field(8, ge=1)
     """Packs each worker prepares ahead of the training step (absorbs the ``bfd`` packer's refill bursts)."""
     streaming: bool = False
