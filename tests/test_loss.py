@@ -88,3 +88,24 @@ def test_bad_shapes_and_backend_raise() -> None:
         chunked_cross_entropy(hidden, weight, targets[:-1], mask)
     with pytest.raises(ValueError, match="unknown loss backend"):
         chunked_cross_entropy(hidden, weight, targets, mask, backend="nope")
+
+
+def test_a_frozen_head_never_reaches_the_fused_kernel(monkeypatch):
+    """fla's fused loss always computes an fp32 ``lm_head`` gradient (a LoRA run's frozen 248k x 4096 head: ~4 GB and
+    a matmul per chunk for nothing), so a head that needs no gradient takes the chunked path, with the same numbers;
+    a trainable head still reaches the fused kernel (here a stub that says so, since fla needs CUDA)."""
+    from vlm_sft.model import loss as loss_module
+
+    def fused(*args, **kwargs):
+        raise AssertionError("reached the fused kernel")
+
+    monkeypatch.setattr(loss_module, "_fla_fused", fused)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(12, 8, generator=gen, requires_grad=True)
+    head = torch.randn(40, 8, generator=gen)
+    targets, mask = torch.randint(0, 40, (12,), generator=gen), torch.rand(12, generator=gen) > 0.3
+    got, count = chunked_cross_entropy(hidden, head, targets, mask, backend="fla_fused")
+    expected, _ = chunked_cross_entropy(hidden, head, targets, mask, backend="chunked")
+    assert torch.equal(got, expected) and int(count) == int(mask.sum())
+    with pytest.raises(AssertionError, match="fused kernel"):
+        chunked_cross_entropy(hidden, head.requires_grad_(), targets, mask, backend="fla_fused")
