@@ -142,3 +142,15 @@ def test_auto_workers_leave_a_core_per_rank():
     assert auto_num_workers(1, cores=64) == 8
     assert auto_num_workers(8, cores=64) == 7
     assert auto_num_workers(8, cores=16) == 1
+
+
+def test_streams_whose_epoch_fits_the_bfd_buffer_are_warned_about(caplog):
+    """The default run's 4000 samples over 8 streams (500 each, buffer 512) packed every epoch longest-first and
+    ended at 37% colour accuracy; one stream (4000 samples) mixes them."""
+    from vlm_sft.trainer.batches import warn_small_streams
+
+    with caplog.at_level("WARNING"):
+        assert warn_small_streams(4000, DataLayout(streams_per_micro_batch=8), 512, "bfd")
+    assert "data.streams_per_micro_batch" in caplog.text
+    assert not warn_small_streams(4000, DataLayout(streams_per_micro_batch=1), 512, "bfd")
+    assert not warn_small_streams(4000, DataLayout(streams_per_micro_batch=8), 512, "cat")

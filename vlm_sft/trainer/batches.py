@@ -340,3 +340,18 @@ def count_steps(pipelines: Callable, layout: DataLayout, env: DistEnv, epochs: f
             "runs out in the first step); raise epochs or lower data.streams_per_micro_batch"
         )
     return steps
+
+
+def warn_small_streams(num_samples: int, layout: DataLayout, buffer: int, packing: str) -> bool:
+    """Warn (and return True) when each data stream's share of an epoch fits its ``bfd`` buffer: such a stream packs
+    its whole epoch at once, longest samples first, so its steps run from long to short samples instead of mixing
+    them (the default run's 4000 samples over 8 streams ended at 37% colour accuracy instead of 100%)."""
+    per_stream = num_samples // layout.num_streams
+    if packing != "bfd" or num_samples == 0 or per_stream > buffer:
+        return False
+    logger.warning(
+        "data: each of the %d data streams holds ~%d samples per epoch, no more than data.bfd_buffer = %d: its packs "
+        "run longest-first through every epoch; lower data.streams_per_micro_batch (now %d) or data.bfd_buffer",
+        layout.num_streams, per_stream, buffer, layout.streams_per_micro_batch,
+    )  # fmt: skip
+    return True

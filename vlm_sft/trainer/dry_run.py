@@ -248,3 +248,20 @@ def report(run: Run, first_step: StepBatches | None) -> DryRunReport:
         if env.is_main:
             (run.out_dir / REPORT_FILE).write_text(json.dumps(result.to_dict(), indent=2) + "\n")
     return result
+
+
+def run_dry(run: Run) -> dict:
+    """``train(cfg, dry_run=True)`` after its set-up: the first step's batches drawn as training draws them, then the
+    per-rank memory report (a collective), printed on rank 0. No optimizer step, no checkpoint. Returns the data
+    accounting (for the run's result)."""
+    from vlm_sft.trainer.step_batches import next_step_batches
+
+    first = next_step_batches(
+        run.train_batches, run.cfg.train.micro_batches, run.env, run.model, run.accounting, run.cp
+    )
+    result = report(run, first)
+    if run.env.is_main:
+        print(result.format(), flush=True)
+    data = run.accounting.report(0, "dry run")
+    run.metrics.close()
+    return data.to_dict()

@@ -46,7 +46,14 @@ from vlm_sft.data.collate import collate
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.trainer import build
-from vlm_sft.trainer.batches import DataLayout, TrainBatches, check_position, count_steps, resolve_num_workers
+from vlm_sft.trainer.batches import (
+    DataLayout,
+    TrainBatches,
+    check_position,
+    count_steps,
+    resolve_num_workers,
+    warn_small_streams,
+)
 from vlm_sft.trainer.data_accounting import RunAccounting
 from vlm_sft.trainer.distributed import (
     DistEnv,
@@ -57,6 +64,7 @@ from vlm_sft.trainer.distributed import (
     init_distributed,
     set_gradient_sync,
 )
+from vlm_sft.trainer.dry_run import run_dry
 from vlm_sft.trainer.evaluate import evaluate
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb, step_breakdown
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
@@ -147,9 +155,9 @@ def train(cfg: RunConfig, *, dry_run: bool = False) -> RunResult:
     try:
         run = setup(cfg, env)
         if dry_run:
-            result = _dry_run(run, t_start)
+            data = run_dry(run)
             finished = True
-            return result
+            return RunResult(0, None, {}, time.perf_counter() - t_start, 0.0, data)
         last_eval, train_time, real_tokens = run_steps(run)
         data = run.accounting.report(run.step, "end of the run")
         final_dir = export_final(run.out_dir / "final", run.model, run.processor, env, cfg, source=run.weights_source)
@@ -163,21 +171,6 @@ def train(cfg: RunConfig, *, dry_run: bool = False) -> RunResult:
             "done: %d steps in %.1f s (%.0f real tokens/s); final checkpoint %s", run.step, wall, tok_s, final_dir
         )
     return RunResult(run.step, final_dir, last_eval, wall, tok_s, data.to_dict())
-
-
-def _dry_run(run: Run, t_start: float) -> RunResult:
-    """The first step's batches drawn as training draws them, then the per-rank memory report on rank 0."""
-    from vlm_sft.trainer import dry_run
-
-    first = next_step_batches(
-        run.train_batches, run.cfg.train.micro_batches, run.env, run.model, run.accounting, run.cp
-    )
-    report = dry_run.report(run, first)
-    if run.env.is_main:
-        print(report.format(), flush=True)
-    data = run.accounting.report(0, "dry run")
-    run.metrics.close()
-    return RunResult(0, None, {}, time.perf_counter() - t_start, 0.0, data.to_dict())
 
 
 def setup(cfg: RunConfig, env: DistEnv) -> Run:
@@ -209,6 +202,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     model.train()
     num_workers = resolve_num_workers(cfg.data.num_workers, log=env.is_main)
     pipelines = build.TrainPipelines(cfg, sources.train, renderer)
+    if env.is_main and not isinstance(sources.train, build.StreamedSource):
+        warn_small_streams(len(sources.train), layout, cfg.data.bfd_buffer, cfg.data.packing)
     total_steps = cfg.train.max_steps or count_steps(pipelines, layout, env, cfg.train.epochs)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
