@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from vlm_sft.checkpoint.hf_dir import CheckpointIndex, SliceReader, resolve_checkpoint_dir
 from vlm_sft.model.backends import Backends, resolve_backends
+from vlm_sft.model.sharding import local_rows
 from vlm_sft.model.vlm import Qwen3_5VLM
 
 logger = logging.getLogger(__name__)
@@ -82,23 +82,6 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
 def checkpoint_key(name: str) -> str:
     """The checkpoint key of a model parameter: peft's ``base_layer`` segment removed."""
     return name.replace(".base_layer.", ".")
-
-
-def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """``(local tensor, first row, end row)``: which rows of dim 0 this rank holds of ``t`` (all of a plain tensor).
-
-    FSDP2 places ``Shard(0)`` over a 1-D mesh in ``torch.chunk`` pieces; anything else is refused (an unknown
-    layout would be filled with the wrong rows)."""
-    if not isinstance(t, DTensor):
-        return t, 0, (t.shape[0] if t.dim() else 0)
-    if t.device_mesh.ndim != 1 or t.placements != (Shard(0),):
-        raise NotImplementedError(f"only FSDP2's Shard(0) over a 1-D mesh is supported, got {t.placements}")
-    n, world, rank = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
-    chunk = -(-n // world)
-    start, stop = min(rank * chunk, n), min((rank + 1) * chunk, n)
-    local = t.to_local()
-    assert local.shape[0] == stop - start, f"local shard has {local.shape[0]} rows, expected {stop - start}"
-    return local, start, stop
 
 
 @dataclass(frozen=True)

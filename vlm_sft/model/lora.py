@@ -125,6 +125,8 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     """
     from peft.tuners.lora import LoraLayer
 
+    from vlm_sft.model.sharding import local_rows
+
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
@@ -134,20 +136,9 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             full = torch.empty(a.shape, dtype=torch.float32)
             bound = 1.0 / math.sqrt(full.shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(1/3) * sqrt(3 / fan_in)
             full.uniform_(-bound, bound, generator=generator)
-            local, start, stop = _local_rows(a)
+            local, start, stop = local_rows(a)
             local.copy_(full[start:stop])
-            _local_rows(b)[0].zero_()
-
-
-def _local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """This rank's rows of ``t`` on dim 0 (FSDP2's ``Shard(0)``, ``torch.chunk`` pieces; all rows of a plain tensor)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(t, DTensor):
-        return t, 0, t.shape[0]
-    chunk = -(-t.shape[0] // t.device_mesh.size())
-    start = min(t.device_mesh.get_local_rank() * chunk, t.shape[0])
-    return t.to_local(), start, min(start + chunk, t.shape[0])
+            local_rows(b)[0].zero_()
 
 
 def base_fingerprint(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> str:

@@ -52,15 +52,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from vlm_sft.model.moe import is_moe_text_config
+from vlm_sft.model.sharding import local_rows
 from vlm_sft.model.vlm import Qwen3_5VLM
 from vlm_sft.trainer.distributed import DistEnv, all_reduce, full_tensor
 
@@ -181,18 +181,13 @@ def _skeleton(vlm: Qwen3_5VLM, config, shape: SliceShape) -> Qwen3_5VLM:
 
 def _shard_rows(param: DTensor) -> tuple[torch.Tensor, int]:
     """This rank's local tensor of ``param`` and the index of its first row in the whole tensor (dim 0)."""
-    local = param.to_local()
-    if all(isinstance(p, Replicate) for p in param.placements):
-        return local, 0
-    if len(param.placements) != 1 or param.placements[0] != Shard(0):
+    try:
+        local, offset, _ = local_rows(param)
+    except NotImplementedError as err:
         raise NotImplementedError(
-            f"the packing self-check's slice reads FSDP2 parameters sharded on dim 0 of a 1-D mesh, got placements "
-            f"{param.placements}: run the check before other parallelisms, or set train.check_packing = false"
-        )
-    n, world = param.shape[0], param.device_mesh.size()
-    chunk = math.ceil(n / world)  # torch.chunk: the first ranks hold ceil(n / world) rows, the last ones fewer
-    offset = min(param.device_mesh.get_local_rank() * chunk, n)
-    assert local.shape[0] == max(0, min(chunk, n - offset)), (tuple(local.shape), n, world, offset)
+            f"the packing self-check's slice reads FSDP2 parameters sharded on dim 0 of a 1-D mesh ({err}): run the "
+            "check before other parallelisms, or set train.check_packing = false"
+        ) from err
     return local, offset
 
 
