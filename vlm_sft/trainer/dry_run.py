@@ -185,26 +185,6 @@ def local_shard(model: torch.nn.Module) -> tuple[int, int]:
     return nbytes, trainable
 
 
-def checkpoint_size(name_or_path: str) -> int | None:
-    """Bytes of a local checkpoint directory's safetensors files (S); None for anything else."""
-    path = Path(name_or_path).expanduser()
-    if not path.is_dir():
-        return None
-    return sum(f.stat().st_size for f in path.glob("*.safetensors")) or None
-
-
-def checkpoint_elem_bytes(name_or_path: str) -> int:
-    """Bytes per element on disk: a local checkpoint's ``config.json`` dtype, else 2 (every released Qwen3.5
-    checkpoint is bf16)."""
-    config = Path(name_or_path).expanduser() / "config.json"
-    if config.is_file():
-        raw = json.loads(config.read_text())
-        dtype = raw.get("dtype") or raw.get("torch_dtype") or raw.get("text_config", {}).get("dtype")
-        if dtype in ("float32", "float64"):
-            return 4 if dtype == "float32" else 8
-    return 2
-
-
 def _measure(env: DistEnv, model: torch.nn.Module) -> torch.Tensor:
     """Every rank's ``MEASURED`` values as a ``[world_size, len(MEASURED)]`` host tensor (one all-reduce)."""
     peak, now = host_memory()
@@ -227,14 +207,16 @@ def report(run: Run, first_step: StepBatches | None) -> DryRunReport:
     counts = ModelCounts.of_model(model)
     compute_bytes = 2 if run.compute_dtype == torch.bfloat16 else 4
     step = step_shape(cfg, model.config, compute_bytes)
-    size = checkpoint_size(cfg.model.name_or_path)
+    source = run.weights_source  # the loader's index: tensor bytes and dtype from the headers, read once
+    size = None if source is None else source.total_bytes
+    elem_bytes = 2 if source is None else source.dtype.itemsize  # no checkpoint: plan as the bf16 releases
     ranks = []
     for rank, row in enumerate(table):
         values = dict(zip(MEASURED, row, strict=True))
         p = plan(
             counts, model.config, step, world_size=env.world_size, sharded=env.sharded,
             micro_batches=cfg.train.micro_batches, grad_sync=cfg.train.grad_sync,
-            checkpoint_elem_bytes=checkpoint_elem_bytes(cfg.model.name_or_path), checkpoint_bytes=size,
+            checkpoint_elem_bytes=elem_bytes, checkpoint_bytes=size,
             local_param_bytes=values["local_param_bytes"], local_trainable=values["local_trainable"],
         )  # fmt: skip
         cuda = [None if values[k] < 0 else values[k] for k in ("cuda_peak_allocated", "cuda_peak_reserved")]

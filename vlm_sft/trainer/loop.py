@@ -186,8 +186,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     cp, dp_rank, dp_size = context_parallel_groups(env, cfg.train.cp_size)
     # The data's global streams, and which this rank reads (a CP group shares its rows: its data-parallel rank's).
     layout = DataLayout(dp_rank, dp_size, cfg.train.micro_batches, cfg.data.streams_per_micro_batch, cfg.train.cp_size)
-    if resume_from is not None:  # a resume that cannot continue exactly is refused before the model is built
-        saved = read_trainer_state(resume_from, env=env)
+    saved = None if resume_from is None else read_trainer_state(resume_from, env=env)
+    if saved is not None:  # a resume that cannot continue exactly is refused before the model is built
         with all_ranks_or_none(env, f"checking {resume_from} against this run"):
             check_position(saved.data, layout)
     resuming = resume_from is not None
@@ -207,7 +207,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     total_steps = cfg.train.max_steps or count_steps(pipelines, layout, env, cfg.train.epochs)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
-    step, data_state = _resume(cfg, env, out_dir, model, optimizer, scheduler, layout)
+    step, data_state = _resume(cfg, env, resume_from, saved, model, optimizer, scheduler)
     if cfg.train.check_packing:  # on the weights the run trains from (resumed ones included)
         _self_check(cfg, env, out_dir, model, renderer, sources, pad_id)
     with all_ranks_or_none(env, "starting the data pipelines and the metrics"):
@@ -272,19 +272,16 @@ def _self_check(cfg: RunConfig, env: DistEnv, out_dir: Path, model, renderer, so
 
 
 def _resume(
-    cfg: RunConfig, env: DistEnv, out_dir: Path, model, optimizer, scheduler, layout: DataLayout
+    cfg: RunConfig, env: DistEnv, resume_from: Path | None, saved, model, optimizer, scheduler
 ) -> tuple[int, dict | None]:
-    """Restore model, optimizer, schedule and RNG from ``train.resume``; (step, global data position). The cheap
-    checks (the data position against this run's global batch, a LoRA run's frozen base) come before the DCP load,
-    so a refused resume reads no weights. Any number of processes resumes: DCP reshards, the position is global."""
-    with all_ranks_or_none(env, "finding the checkpoint to resume from"):
-        resume_from = resolve_resume(cfg.train.resume, out_dir)
+    """Restore model, optimizer, schedule and RNG from ``resume_from`` (its trainer state ``saved`` was read and its
+    data position checked in ``setup``, before the model was built); (step, global data position). A LoRA run's
+    frozen base is checked before the DCP load, so a refused resume reads no weights. Any number of processes
+    resumes: DCP reshards, the position is global."""
     if resume_from is None:
         return 0, None
     lora = cfg.model.lora is not None
-    saved = read_trainer_state(resume_from, env=env)
-    with all_ranks_or_none(env, f"checking {resume_from} against this run"):
-        check_position(saved.data, layout)
+    with all_ranks_or_none(env, f"checking {resume_from}'s frozen base against this run"):
         base = getattr(model, "base_fingerprint", None)
         if lora and saved.extra.get("base") != base:
             raise ConfigError(
