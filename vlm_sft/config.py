@@ -1,8 +1,13 @@
 """Typed run configuration: TOML files in ``configs/`` plus dotted command-line overrides.
 
-Config is data. Every field has a docstring; validators raise with the current values and the fix instead of
-rewriting a user's setting. ``load_config("configs/debug.toml", ["--train.max_steps", "20"])`` is the one entry point
-the trainer, the data report and the packing check share.
+The public config module: import every config name from here. The typed sections (``RunConfig`` and the models it
+nests, their validators and constants) live in ``vlm_sft/config_sections.py`` and are re-exported below; this module
+holds what turns text into them: the TOML loader with dotted overrides, the shared command-line front of the entry
+points, and the ``--help`` text generated from the models. The split follows the one dependency: loading and help
+read the models, the models know nothing of files or argv, so the sections module imports nothing from here.
+
+``load_config("configs/debug.toml", ["--train.max_steps", "20"])`` is the one entry point the trainer, the data
+report and the packing check share.
 """
 
 from __future__ import annotations
@@ -15,339 +20,62 @@ import sys
 import textwrap
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
+
+from vlm_sft.config_sections import (
+    DEFAULT_WARMUP_STEPS,
+    LORA_FUSED_GROUPS,
+    LORA_SAVE_MODULES,
+    LORA_TEXT_TARGETS,
+    LORA_VISION_NAMES,
+    SHAPES_DATASET,
+    TINY_MODEL,
+    TINY_MODELS,
+    TINY_MOE_MODEL,
+    ConfigError,
+    DataConfig,
+    LoraSettings,
+    ModelConfig,
+    RunConfig,
+    ShapesConfig,
+    TrainConfig,
+    VLMConfig,
+)
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "DEFAULT_WARMUP_STEPS",
+    "LORA_FUSED_GROUPS",
+    "LORA_SAVE_MODULES",
+    "LORA_TEXT_TARGETS",
+    "LORA_VISION_NAMES",
+    "ONE_SETTING_TWO_UNITS",
+    "REPO_ROOT",
+    "SHAPES_DATASET",
+    "TINY_MODEL",
+    "TINY_MODELS",
+    "TINY_MOE_MODEL",
+    "ConfigError",
+    "DataConfig",
+    "LoraSettings",
+    "ModelConfig",
+    "RunConfig",
+    "ShapesConfig",
+    "TrainConfig",
+    "VLMConfig",
+    "cli_parser",
+    "config_from_cli",
+    "config_help",
+    "load_config",
+    "parse_cli",
+    "parse_overrides",
+    "split_config_arg",
+]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "debug.toml"
-TINY_MODEL = "tiny"
-"""``model.name_or_path`` value that builds the offline tiny Qwen3.5 preset instead of loading a checkpoint."""
-TINY_MOE_MODEL = "tiny-moe"
-"""``model.name_or_path`` value for the offline tiny Qwen3.5-MoE preset (4 experts, top-2, a shared expert)."""
-TINY_MODELS = (TINY_MODEL, TINY_MOE_MODEL)
-"""The random-init presets (the shipped tiny processor, no checkpoint)."""
-SHAPES_DATASET = "shapes"
-"""``data.source`` value that selects the embedded, generated shapes dataset."""
-DEFAULT_WARMUP_STEPS = 50
-"""Warmup steps when neither ``train.warmup_steps`` nor ``train.warmup_fraction`` is set."""
-
-
-class ConfigError(ValueError):
-    """A config that cannot run, with the fix in the message."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True, frozen=False)
-
-
-class VLMConfig(_Section):
-    """Vision-language settings; present (``[model.vlm]``) whenever the data has images."""
-
-    freeze_vision: bool = True
-    """Keep the vision tower's weights fixed. The usual SFT choice; its unused parameters would otherwise decay."""
-
-
-LORA_TEXT_TARGETS = (
-    "q_proj", "k_proj", "v_proj", "o_proj",
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
-    "gate_proj", "up_proj", "down_proj",
-)  # fmt: skip
-"""Every linear projection of the Qwen3.5 text model, by transformers' names (full attention, GatedDeltaNet, MLP)."""
-LORA_VISION_NAMES = ("qkv", "proj", "linear_fc1", "linear_fc2")
-"""The vision tower's linear names: peft matches targets by name suffix, so these would adapt the tower."""
-LORA_SAVE_MODULES = ("embed_tokens", "lm_head")
-"""Text-model modules that ``model.lora.modules_to_save`` may train fully beside the adapters (peft's names)."""
-LORA_FUSED_GROUPS = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}
-"""GatedDeltaNet projections that serving engines (vLLM, SGLang) fuse into one matrix: adapt all of a group or none."""
-
-
-class LoraSettings(_Section):
-    """LoRA adapters on the text model (``[model.lora]``), through peft; the base weights stay frozen."""
-
-    r: int = Field(16, ge=1)
-    """Adapter rank."""
-    alpha: float = Field(32.0, gt=0)
-    """Scale numerator: the adapter's update is ``alpha / r * B @ A``."""
-    dropout: float = Field(0.0, ge=0, lt=1)
-    """Dropout on the adapter's input (0 keeps a packed row exactly equal to its samples alone)."""
-    target_modules: list[str] = list(LORA_TEXT_TARGETS)
-    """Text-model projections to adapt, by transformers' Qwen3.5 names (default: all of them)."""
-    modules_to_save: list[str] = []
-    """Modules trained fully beside the adapters (``embed_tokens``, ``lm_head``), e.g. for new tokens; written to
-    the adapter folder as peft's ``modules_to_save`` and kept in float32 like the adapters."""
-    allow_partial_fused: bool = False
-    """Accept targets that split a GatedDeltaNet fused group (``in_proj_qkv`` + ``in_proj_z``, ``in_proj_b`` +
-    ``in_proj_a``): vLLM and SGLang fuse them and crash on, or silently drop, such adapters."""
-
-    @model_validator(mode="after")
-    def _check_targets(self) -> LoraSettings:
-        known = set(LORA_TEXT_TARGETS)
-        inside_tower = [t for t in self.target_modules if t in LORA_VISION_NAMES]
-        if inside_tower:
-            raise ConfigError(
-                f"model.lora.target_modules {inside_tower} name vision-tower layers (peft matches by name suffix); "
-                "LoRA adapts the text model only: remove them"
-            )
-        unknown = [t for t in self.target_modules if t not in known]
-        if unknown or not self.target_modules:
-            raise ConfigError(
-                f"model.lora.target_modules {unknown or '[]'} match no text-model projection; "
-                f"available: {', '.join(LORA_TEXT_TARGETS)}"
-            )
-        odd = [m for m in self.modules_to_save if m not in LORA_SAVE_MODULES]
-        if odd:
-            raise ConfigError(
-                f"model.lora.modules_to_save {odd} are not text-model modules that can be trained fully beside the "
-                f"adapters; available: {', '.join(LORA_SAVE_MODULES)} (the vision tower is never trained with LoRA)"
-            )
-        for fused, members in LORA_FUSED_GROUPS.items():
-            chosen = [m for m in members if m in self.target_modules]
-            if chosen and len(chosen) < len(members) and not self.allow_partial_fused:
-                raise ConfigError(
-                    f"model.lora.target_modules has {chosen} without the rest of {list(members)}, which serving "
-                    f"engines fuse into {fused} (vLLM and SGLang then crash or drop the adapter): add "
-                    f"{[m for m in members if m not in chosen]}, or set model.lora.allow_partial_fused = true"
-                )
-        return self
-
-
-class ModelConfig(_Section):
-    name_or_path: str = TINY_MODEL
-    """``tiny`` / ``tiny-moe`` (offline presets), a local HF checkpoint directory, or a hub id such as
-    ``Qwen/Qwen3.5-0.8B`` or ``Qwen/Qwen3.5-35B-A3B`` (dense or MoE: the checkpoint's config decides)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype. bfloat16 (CUDA only): fp32 master weights, gradients and AdamW state; layers compute in bf16
-    through FSDP2 mixed precision (gradients reduced in fp32)."""
-    attn_impl: Literal["auto", "flash_attn", "torch_varlen", "sdpa"] = "auto"
-    """Full-attention backend; ``auto`` picks the fastest boundary-exact one available on the device."""
-    linear_attn_impl: Literal["auto", "fla", "torch"] = "auto"
-    """GatedDeltaNet and short-conv backend; ``fla`` needs flash-linear-attention on CUDA."""
-    loss_impl: Literal["auto", "fla_fused", "chunked"] = "auto"
-    """Cross-entropy backend; both avoid materializing full fp32 logits."""
-    experts_impl: Literal["auto", "sorted", "grouped_mm"] = "auto"
-    """MoE models: routed-expert compute; ``sorted`` (one matmul per active expert, any device) or ``grouped_mm``
-    (``torch._grouped_mm``); both exact, no token ever dropped."""
-    router_aux_loss_coef: float | None = Field(None, ge=0)
-    """MoE models: weight of the load-balancing loss, defined on the whole optimizer step (every micro-batch and
-    rank), added to the per-token mean loss; None: the checkpoint's ``router_aux_loss_coef``; 0 turns it off."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward to save activation memory."""
-    initializer_range: float | None = None
-    """Only for ``tiny`` / ``tiny-moe``: std of the random init (0.08 learns fastest on the shapes task; see
-    measured facts)."""
-    hidden_size: int = 64
-    """Only for ``tiny`` / ``tiny-moe``: text and vision hidden size."""
-    vlm: VLMConfig | None = None
-    """Vision settings; required when the dataset has images (``[model.vlm]`` in TOML)."""
-    lora: LoraSettings | None = None
-    """LoRA fine-tuning (``[model.lora]``): adapters on the text model, base weights frozen; None: full fine-tuning."""
-
-
-class ShapesConfig(_Section):
-    """The embedded shapes dataset: generated deterministically, materialized once as jsonl + png files."""
-
-    num_train: int = Field(4000, ge=1)
-    """Training conversations to generate."""
-    num_eval: int = Field(200, ge=0)
-    """Held-out conversations (a disjoint seed stream), used for eval loss and colour accuracy."""
-    seed: int = 0
-    """Generator seed; the same seed gives byte-identical files."""
-    image_size: int = Field(64, ge=32)
-    """Side of the square images in pixels (64 gives a 4x4 patch grid = 4 image tokens)."""
-    root: str = "data/shapes"
-    """Folder under which the dataset is materialized (a subfolder per seed and size)."""
-
-
-class DataConfig(_Section):
-    source: str = SHAPES_DATASET
-    """``shapes``, a local jsonl / json / parquet file, or a hub dataset id."""
-    split: str = "train"
-    """Split to read for hub datasets and files loaded through ``datasets``."""
-    eval_source: str | None = None
-    """Held-out data for eval; for ``shapes`` the generator's eval split is used when this is unset."""
-    shapes: ShapesConfig = ShapesConfig()
-    """Settings of the embedded shapes dataset."""
-    seq_len: int = Field(1024, ge=8)
-    """Longest sample kept, in tokens; longer ones are truncated image-safely (or skipped, see ``truncation``)."""
-    pack_len: int = Field(2048, ge=8)
-    """Tokens per packed row; every row is padded to exactly this length."""
-    packing: Literal["bfd", "cat", "stack"] = "bfd"
-    """``bfd`` best-fit-decreasing packing, ``cat`` sequential packing, ``stack`` padded batches (baseline)."""
-    stack_batch_size: int = Field(32, ge=1)
-    """Rows per micro-batch with ``packing = "stack"`` (packed modes put one row per micro-batch)."""
-    shuffle: bool = True
-    """Visit the training rows in a seeded random order each epoch (False: file order)."""
-    bfd_buffer: int = Field(512, ge=1)
-    """Look-ahead buffer (samples) of the ``bfd`` packer."""
-    max_image_patches_per_pack: int | None = None
-    """Cap on vision patches per pack, bounding the vision tower's memory per step; None: no cap."""
-    truncation: Literal["drop", "truncate"] = "drop"
-    """When truncation cuts the final trainable turn's closing token: ``drop`` the sample or ``truncate`` it."""
-    loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
-    """Which assistant turns are trained."""
-    special_text: Literal["escape", "drop", "error"] = "escape"
-    """What to do with special-token strings (e.g. ``<|image_pad|>``) typed in user text."""
-    image_root: str | None = None
-    """Folder that relative image paths (and relative ``image_url``s) resolve against and that every image must lie
-    in; None: the data file's folder (for a hub dataset: no local images allowed outside ``allowed_image_roots``)."""
-    allowed_image_roots: list[str] = []
-    """Further folders images may be read from (absolute paths, symlink targets). Anything else is skipped as
-    ``image_outside_root`` without being opened."""
-    max_skip_fraction: float = Field(0.05, ge=0, le=1)
-    """Stop the run (with the skip report) when more than this fraction of the samples seen so far were skipped,
-    checked once ``skip_check_after`` samples were seen (or a whole pass, if shorter). 1 disables the check."""
-    skip_check_after: int = Field(200, ge=1)
-    """Samples each data stream (``streams_per_micro_batch``) must see before ``max_skip_fraction`` is enforced."""
-    num_workers: int | None = Field(None, ge=0)
-    """Processes per rank that render and pack the rank's data streams, dealt to them in turn (0: in the training
-    process). It must divide ``streams_per_micro_batch x train.micro_batches`` (otherwise the largest divisor below
-    it is used, and logged). None: one per spare core (at least 1 when the machine has a core beside each rank, at
-    most 8)."""
-    streams_per_micro_batch: int = Field(1, ge=1)
-    """The training data is cut into ``G = B x this`` streams, each packed on its own, with ``B`` the global batch
-    (processes / train.cp_size x train.micro_batches); global micro-batch ``i`` is the next pack of stream ``i % G``.
-    The packs of a step then depend on the global batch only, never on the number of processes or workers, and a
-    checkpoint resumes on any number of processes with the same global batch. Changing it changes the data order (a
-    resume refuses it). A rank reads ``this x train.micro_batches`` streams, which bounds its useful data workers
-    (the GPU configs set 8: one H200 on the 0.8B model needs about 8 workers); each holds its own ``bfd_buffer``.
-    Keep each stream's share of an epoch well above ``bfd_buffer``: a stream whose whole epoch fits its buffer packs
-    it longest-first, so its steps run from long to short samples (the default run's 4000 samples over 8 streams
-    reached 37% held-out colour accuracy instead of 86% at one stream). Streaming sources read each stream's own
-    files when their number is a multiple of ``G`` (otherwise every stream reads every file)."""
-    prefetch_packs: int = Field(8, ge=1)
-    """Packs each worker prepares ahead of the training step (absorbs the ``bfd`` packer's refill bursts)."""
-    streaming: bool = False
-    """Read ``source`` as a ``datasets`` IterableDataset (parquet / jsonl shards or a hub id) instead of preparing it
-    on local disk; rows are visited in shard order (no global shuffle)."""
-
-
-class TrainConfig(_Section):
-    seed: int = 0
-    """Seed for init, data order and dropout."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """``auto``: CUDA when available, else CPU."""
-    max_steps: int | None = Field(300, ge=1)
-    """Optimizer steps to run; None to run ``epochs`` instead."""
-    epochs: float | None = None
-    """Passes over the data when ``max_steps`` is None."""
-    micro_batches: int = Field(1, ge=1)
-    """Micro-batches per optimizer step on each rank (gradient accumulation)."""
-    cp_size: int = Field(1, ge=1)
-    """Context parallelism: groups of this many consecutive ranks split each packed row (Ulysses: every rank holds
-    1/cp_size of the tokens; attention and GatedDeltaNet heads are split across the group). Data parallelism is
-    world_size / cp_size. Needs data.pack_len divisible by it, and head counts it splits (checked at start)."""
-    grad_sync: Literal["step", "micro_batch"] = "step"
-    """When sharded gradients are reduce-scattered: once per ``step`` (after the last micro-batch: 1/micro_batches
-    of the traffic, but each rank holds the whole model's unsharded fp32 gradient during the step, 4 bytes per
-    parameter) or after every ``micro_batch`` (sharded gradients only: for models whose full gradient does not fit
-    one GPU). The update is the same either way."""
-    lr: float = Field(1e-3, ge=0)
-    """Peak learning rate. 0 changes no weight (AdamW's decay is scaled by it too): a run that checks the pipeline,
-    e.g. that the export reproduces the input checkpoint bit for bit."""
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    """Cosine floor as a fraction of ``lr``."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """Learning-rate shape after warmup."""
-    warmup_steps: int | None = Field(None, ge=0)
-    """Linear warmup steps (None: ``warmup_fraction``, or 50 when that is unset too). A count >= the run's steps is
-    cut to a tenth of the run, with a warning: the run's length is only known when the schedule is built."""
-    warmup_fraction: float | None = Field(None, ge=0, lt=1)
-    """Linear warmup as a fraction of the run's optimizer steps (rounded), so shorter runs keep the same shape.
-    Exclusive with ``warmup_steps``; a command-line override of either replaces the config file's other."""
-    weight_decay: float = Field(0.01, ge=0)
-    """AdamW decay, never applied to norms, biases and embeddings."""
-    betas: tuple[float, float] = (0.9, 0.98)
-    """AdamW betas."""
-    grad_clip: float | None = Field(1.0, gt=0)
-    """Max global gradient norm; None disables clipping."""
-    output_dir: str = "outputs/debug"
-    """Run folder: metrics.jsonl, checkpoints, final/."""
-    save_every: int | None = Field(None, ge=1)
-    """Steps between resumable checkpoints; None: only the final one."""
-    keep_last: int = Field(2, ge=1)
-    """Resumable checkpoints kept."""
-    resume: str | None = None
-    """``latest`` or a checkpoint path to continue from."""
-    log_every: int = Field(10, ge=1)
-    """Steps between metrics lines."""
-    eval_every: int | None = Field(None, ge=1)
-    """Steps between evals; None: eval at the end only."""
-    report_to: list[Literal["tensorboard", "wandb"]] = []
-    """Extra metric sinks beside metrics.jsonl."""
-    merge_lora: bool = True
-    """LoRA runs: also write ``final/`` as merged full weights (beside ``final/adapter/``); false: the adapter only."""
-    check_packing: bool = False
-    """Run the packing self-check (packed vs per-sample logits and gradients) before training."""
-    log_all_ranks: bool = False
-    """Print INFO log lines on every rank (prefixed with the rank), not only on rank 0; other ranks always print
-    warnings and errors."""
-
-    @model_validator(mode="after")
-    def _check_warmup(self) -> TrainConfig:
-        if self.warmup_steps is not None and self.warmup_fraction is not None:
-            raise ConfigError(
-                f"train.warmup_steps ({self.warmup_steps}) and train.warmup_fraction ({self.warmup_fraction}) are "
-                "both set; keep one (on the command line: --train.warmup_steps none or --train.warmup_fraction none)"
-            )
-        return self
-
-
-class RunConfig(_Section):
-    """The whole run: ``[model]``, ``[data]``, ``[train]``."""
-
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    train: TrainConfig = TrainConfig()
-
-    @model_validator(mode="after")
-    def _check_compatible(self) -> RunConfig:
-        d, m, t = self.data, self.model, self.train
-        if d.seq_len > d.pack_len:
-            raise ConfigError(
-                f"data.seq_len ({d.seq_len}) > data.pack_len ({d.pack_len}): a kept sample could never fit a pack; "
-                f"set data.pack_len >= {d.seq_len} or lower data.seq_len"
-            )
-        if d.source == SHAPES_DATASET and m.vlm is None:
-            raise ConfigError(
-                "the shapes dataset has images but [model.vlm] is missing; add a [model.vlm] section "
-                "(or --model.vlm.freeze_vision true)"
-            )
-        if m.dtype == "bfloat16" and t.device == "cpu":
-            raise ConfigError(
-                "model.dtype = 'bfloat16' with train.device = 'cpu': bf16 on CPU is slow and inexact here; "
-                "set model.dtype = 'float32' for CPU runs"
-            )
-        if t.max_steps is None and t.epochs is None:
-            raise ConfigError("set train.max_steps or train.epochs (both are unset)")
-        if t.max_steps is not None and t.epochs is not None:
-            raise ConfigError(
-                f"train.max_steps ({t.max_steps}) and train.epochs ({t.epochs}) are both set; unset one of them"
-            )
-        if m.lora is not None and m.vlm is not None and not m.vlm.freeze_vision:
-            raise ConfigError(
-                "[model.lora] with model.vlm.freeze_vision = false: a LoRA run keeps the vision tower frozen (it is "
-                "trained fully or not at all, never half-adapted); set model.vlm.freeze_vision = true, or remove "
-                "[model.lora] for a full fine-tune"
-            )
-        if m.name_or_path not in TINY_MODELS and m.initializer_range is not None:
-            raise ConfigError(
-                f"model.initializer_range only applies to the tiny preset, not to {m.name_or_path!r}; remove it"
-            )
-        if t.cp_size > 1 and (d.packing == "stack" or d.pack_len % t.cp_size):
-            raise ConfigError(
-                f"train.cp_size = {t.cp_size} splits every packed row evenly over its ranks: use data.packing 'bfd' or "
-                f"'cat' (got {d.packing!r}) with data.pack_len a multiple of {t.cp_size} (got {d.pack_len})"
-            )
-        if d.packing == "stack" and d.max_image_patches_per_pack is not None:
-            raise ConfigError(
-                "data.max_image_patches_per_pack applies to packed rows; with data.packing = 'stack' every "
-                "multimodal sample has its own row. Unset it or choose packing 'bfd' / 'cat'"
-            )
-        return self
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
 
 
 def parse_overrides(argv: list[str]) -> dict[str, Any]:
@@ -515,7 +243,8 @@ def _describe_fields(model: type[BaseModel], prefix: str, lines: list[str]) -> N
 def _type_name(annotation: Any) -> str:
     if isinstance(annotation, type):
         return annotation.__name__
-    return re.sub(r"\b(?:typing|vlm_sft\.config)\.", "", str(annotation))
+    # ``VLMConfig | None`` prints with the models' module path; the help shows the bare names.
+    return re.sub(r"\b(?:typing|vlm_sft\.config_sections)\.", "", str(annotation))
 
 
 def _toml_text(value: Any) -> str:
