@@ -14,7 +14,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta
 
 from vlm_sft.model.attention import varlen_attention
 from vlm_sft.model.conv import causal_conv1d
-from vlm_sft.model.gdn import gated_delta_rule, naive_recurrent_gated_delta_rule
+from vlm_sft.model.gdn import UnitLowerSolve, gated_delta_rule, naive_recurrent_gated_delta_rule
 from vlm_sft.model.varlen import Segments
 
 BOUNDARY_LENS = [1, 2, 3, 63, 64, 65, 130]  # shorter than the conv, around one chunk of 64, two chunks
@@ -67,6 +67,21 @@ def test_gdn_torch_chunk_size_does_not_change_the_result(chunk_size: int) -> Non
     segs = Segments.from_lengths(BOUNDARY_LENS)
     out = gated_delta_rule(*inputs, segs, backend="torch", chunk_size=chunk_size)
     torch.testing.assert_close(out, gated_delta_rule(*inputs, segs, backend="torch"), rtol=0, atol=TOL)
+
+
+def test_unit_lower_solve_gradients_equal_torch_solve_triangular() -> None:
+    """The chunk kernel's own backward of ``(I + A)^-1 B``: float64 gradcheck, and the same gradients as torch's
+    ``solve_triangular(unitriangular=True)``, whose diagonal and upper triangle of ``A`` get none."""
+    gen = torch.Generator().manual_seed(0)
+    a = (0.3 * torch.randn(3, 2, 9, 9, generator=gen, dtype=torch.float64)).requires_grad_()
+    b = torch.randn(3, 2, 9, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(UnitLowerSolve.apply, (a, b))
+    weight = torch.randn(3, 2, 9, 4, generator=gen, dtype=torch.float64)
+    ours = torch.autograd.grad(UnitLowerSolve.apply(a, b), (a, b), weight)
+    ref = torch.autograd.grad(torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True), (a, b), weight)
+    for got, want in zip(ours, ref, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert ours[0].triu().abs().max() == 0 and ref[0].tril(-1).abs().max() > 0.1  # only the strict lower part
 
 
 def test_gdn_torch_matches_transformers_chunked_rule_per_segment() -> None:

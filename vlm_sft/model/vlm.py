@@ -36,6 +36,7 @@ from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
 from vlm_sft.model.moe import check_grouped_mm_widths, init_moe_weights, is_moe_text_config
 from vlm_sft.model.text_model import Qwen3_5TextDecoder
 from vlm_sft.model.varlen import Segments
+from vlm_sft.model.vision import speed_up_vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class _Qwen3_5Core(nn.Module):
     def __init__(self, config: Qwen3_5Config | Qwen3_5MoeConfig) -> None:
         super().__init__()
         vision_cls = Qwen3_5MoeVisionModel if isinstance(config, Qwen3_5MoeConfig) else Qwen3_5VisionModel
-        self.visual = vision_cls._from_config(config.vision_config)
+        self.visual = speed_up_vision_tower(vision_cls._from_config(config.vision_config))
         self.language_model = Qwen3_5TextDecoder(config.text_config)
 
 
