@@ -48,14 +48,9 @@ with ``--quick``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import json
 import os
-import platform
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,12 +58,14 @@ import time
 import weakref
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "cp.json"
+import harness  # first: the CPU environment, before any torch import
+from bench_lora import REDUCED_LAYERS as LAYERS  # 4 text layers (3 GatedDeltaNet + 1 full attention), 2 vision blocks
+from bench_lora import model_config as lora_model_config
+
+RESULTS = harness.results_path("cp")
 REAL_VOCAB = 248_320
 VOCAB = 8192
 """The reduced vocabulary (module docstring)."""
-LAYERS = {"text": 4, "vision": 2}
-"""Depth here: 4 text layers (3 GatedDeltaNet + 1 full attention) and 2 vision blocks of the 0.8B widths."""
 WARMUP_ROW = {"tokens": 512, "images": 2}
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-3
 """cp 2 vs cp 1: the group's summed loss, and each parameter's gradient norm after the sum over the group."""
@@ -78,17 +75,8 @@ LOSS_RTOL, GRAD_NORM_RTOL = 1e-5, 1e-3
 
 
 def model_config(vocab: int):
-    """The 0.8B widths with ``LAYERS`` and ``vocab`` (pad and eos id 0 when cut)."""
-    from vlm_sft.flops import qwen3_5_0_8b_config
-
-    config = qwen3_5_0_8b_config()
-    t = config.text_config
-    t.num_hidden_layers = LAYERS["text"]
-    t.layer_types = t.layer_types[: LAYERS["text"]]
-    config.vision_config.depth = LAYERS["vision"]
-    if vocab != t.vocab_size:
-        t.vocab_size, t.pad_token_id, t.eos_token_id = vocab, 0, 0
-    return config
+    """The 0.8B widths with ``LAYERS`` and ``vocab`` (pad and eos id 0 when cut): ``bench_lora.py``'s 0.8B-4L."""
+    return lora_model_config("0.8B-4L", vocab)
 
 
 def make_row(tokens: int, images: int, pad_id: int, seed: int = 0):
@@ -114,26 +102,6 @@ def make_row(tokens: int, images: int, pad_id: int, seed: int = 0):
     batch = collate([Pack(rows=(tuple(samples),), row_len=tokens)], pad_id=pad_id)
     assert batch.num_real_tokens == tokens and len(batch.image_grid_thw) == images
     return batch
-
-
-def _trim_heap() -> None:
-    """Hand glibc's free memory back to the OS, so the RSS baseline is what is really held."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _status_mb(key: str) -> float:
-    """``VmRSS`` / ``VmHWM`` of this process in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{key}:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {key} in /proc/self/status (Linux only)")
-
-
-def _reset_peak_rss() -> None:
-    """Reset the kernel's peak-RSS mark (``VmHWM``) to the current RSS (Linux >= 4.0)."""
-    Path("/proc/self/clear_refs").write_text("5")
 
 
 class SavedActivations:
@@ -178,10 +146,11 @@ def build(vocab: int, cp_size: int):
 
 def timed_step(model, batch, barrier) -> dict:
     """Forward + backward of ``loss_sum`` on ``batch``: times, saved activations and peak RSS growth."""
-    _trim_heap()
+    harness.trim_heap()
     barrier()
-    _reset_peak_rss()
-    rss0 = _status_mb("VmRSS")
+    if not harness.reset_peak_rss():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): peak MB needs Linux >= 4.0")
+    rss0 = harness.rss_mb()
     saved = SavedActivations(model)
     t0, c0 = time.perf_counter(), time.process_time()
     with saved.hooks():
@@ -190,7 +159,7 @@ def timed_step(model, batch, barrier) -> dict:
     saved_mb = saved.live_mb()
     out.loss_sum.backward()
     t2, c2 = time.perf_counter(), time.process_time()
-    peak = _status_mb("VmHWM") - rss0
+    peak = harness.peak_rss_mb() - rss0
     return {
         "loss_sum": out.loss_sum.detach().item(),
         "forward_ms": 1e3 * (t1 - t0),
@@ -208,7 +177,7 @@ def run_rank(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
+    harness.set_threads(1)
     cp = args.child
     if cp > 1:
         dist.init_process_group("gloo")
@@ -219,7 +188,7 @@ def run_rank(args: argparse.Namespace) -> None:
     row = make_row(args.tokens, args.images, pad_id)
     model(**warm.model_kwargs()).loss_sum.backward()  # allocates the gradient buffers, kept for the timed step
     model.zero_grad(set_to_none=False)
-    built_mb = _status_mb("VmRSS")
+    built_mb = harness.rss_mb()
     result = timed_step(model, row, dist.barrier if cp > 1 else lambda: None)
     loss = torch.tensor(result["loss_sum"], dtype=torch.float64)
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -373,16 +342,18 @@ def summarize(reps: list[dict]) -> tuple[list[dict], dict]:
         for rank in range(len(reps[0][case])):
             runs = [rep[case][rank] for rep in reps]
             row = {k: runs[0][k] for k in ("cp", "rank", "row_tokens", "row_images", "rank_tokens", "loss_sum")}
-            row |= {k: statistics.median(r[k] for r in runs) for k in PER_RANK_KEYS}
+            row |= harness.medians(runs, PER_RANK_KEYS)
             row["step_ms_per_rep"] = [r["step_ms"] for r in runs]
             rows.append(row)
-    per_rep: dict[str, list[float]] = {"step_time": [], "cpu_time": [], "saved_activations": [], "peak_memory": []}
-    for rep in reps:
-        one, two = rep["cp1"][0], rep["cp2"]
-        for key, field in (("step_time", "step_ms"), ("cpu_time", "cpu_ms"), ("saved_activations", "saved_mb")):
-            per_rep[key].append(max(r[field] for r in two) / one[field])
-        per_rep["peak_memory"].append(max(r["peak_rss_growth_mb"] for r in two) / one["peak_rss_growth_mb"])
-    ratios = {k: statistics.median(v) for k, v in per_rep.items()} | {"per_rep": per_rep}
+    fields = {"step_time": "step_ms", "cpu_time": "cpu_ms", "saved_activations": "saved_mb"}
+    fields["peak_memory"] = "peak_rss_growth_mb"
+    stats = {
+        key: harness.ratio_stats([max(r[f] for r in rep["cp2"]) for rep in reps], [rep["cp1"][0][f] for rep in reps])
+        for key, f in fields.items()
+    }
+    ratios = {k: v["median"] for k, v in stats.items()}
+    ratios |= {"range": {k: [v["min"], v["max"]] for k, v in stats.items()}}
+    ratios |= {"per_rep": {k: v["per_rep"] for k, v in stats.items()}}
     return rows, ratios
 
 
@@ -394,17 +365,10 @@ def print_tables(rows: list[dict], ratios: dict, reps: list[dict], analytic: lis
         f"per rank; one row of {r0['row_tokens']} tokens with {r0['row_images']} images; forward + backward; median "
         f"of {meta['reps']} repetitions"
     )
-    header = (
-        f"{'cp':>2} {'rank':>4} {'tokens':>6} {'fwd ms':>8} {'bwd ms':>8} {'step ms':>8} {'CPU ms':>8} {'saved MB':>9} "
-        f"{'peak MB':>8} {'RSS before MB':>13}"
-    )
-    print(header + "\n" + "-" * len(header))
-    for r in rows:
-        print(
-            f"{r['cp']:>2} {r['rank']:>4} {r['rank_tokens']:>6} {r['forward_ms']:>8.0f} {r['backward_ms']:>8.0f} "
-            f"{r['step_ms']:>8.0f} {r['cpu_ms']:>8.0f} {r['saved_mb']:>9.0f} {r['peak_rss_growth_mb']:>8.0f} "
-            f"{r['rss_before_step_mb']:>13.0f}"
-        )
+    columns = [("cp", "cp"), ("rank", "rank"), ("rank_tokens", "tokens"), ("forward_ms", "fwd ms", ".0f")]
+    columns += [("backward_ms", "bwd ms", ".0f"), ("step_ms", "step ms", ".0f"), ("cpu_ms", "CPU ms", ".0f")]
+    columns += [("saved_mb", "saved MB", ".0f"), ("peak_rss_growth_mb", "peak MB", ".0f")]
+    harness.print_table(None, [*columns, ("rss_before_step_mb", "RSS before MB", ".0f")], rows)
     print(
         f"cp2 / cp1 (cp 2's slower or larger rank; within a repetition, then the median): step time "
         f"{ratios['step_time']:.3f}, CPU time {ratios['cpu_time']:.3f}, saved activations "
@@ -420,17 +384,11 @@ def print_tables(rows: list[dict], ratios: dict, reps: list[dict], analytic: lis
         f"the mixer's output), and the link bandwidth at which it takes as long as the layer's matmuls at "
         f"{SUSTAINED_FLOPS / 1e12:.0f} TFLOP/s (forward + backward both)"
     )
-    header = (
-        f"{'model':<5} {'layer':<16} {'cp':>2} {'B/token fwd':>11} {'sent B/token':>12} "
-        f"{'MB/rank ({} tok)'.format(analytic[0]['row_tokens']):>19} {'MFLOP/token':>11} {'break-even GB/s':>15}"
-    )
-    print(header + "\n" + "-" * len(header))
-    for a in analytic:
-        print(
-            f"{a['model']:<5} {a['layer']:<16} {a['cp']:>2} {a['bytes_per_token_fwd']:>11.0f} "
-            f"{a['bytes_per_token_sent_fwd_bwd']:>12.0f} {a['per_rank_mb_per_layer']:>19.1f} "
-            f"{a['flops_per_token_fwd'] / 1e6:>11.1f} {a['break_even_gb_s']:>15.1f}"
-        )
+    columns = [("model", "model"), ("layer", "layer"), ("cp", "cp"), ("bytes_per_token_fwd", "B/token fwd", ".0f")]
+    columns += [("bytes_per_token_sent_fwd_bwd", "sent B/token", ".0f")]
+    columns += [("per_rank_mb_per_layer", f"MB/rank ({analytic[0]['row_tokens']} tok)", ".1f")]
+    columns += [("mflops_per_token_fwd", "MFLOP/token", ".1f"), ("break_even_gb_s", "break-even GB/s", ".1f")]
+    harness.print_table(None, columns, [a | {"mflops_per_token_fwd": a["flops_per_token_fwd"] / 1e6} for a in analytic])
     print("sent B/token: forward + backward, per token a rank holds, (cp - 1) / cp of it leaving the rank")
 
 
@@ -457,14 +415,11 @@ def main() -> None:
     if args.child:
         run_rank(args)
         return
-    start, load0 = time.perf_counter(), os.getloadavg()
-    reps = run_reps(args)
-    rows, ratios = summarize(reps)
-    analytic = expected_scaling()
-    meta = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
+    with harness.wall_clock() as meta:
+        reps = run_reps(args)
+        rows, ratios = summarize(reps)
+        analytic = expected_scaling()
+    meta |= {
         "threads_per_rank": 1,
         "reps": args.reps,
         "tokens": args.tokens,
@@ -472,16 +427,12 @@ def main() -> None:
         "vocab": args.vocab,
         "layers": LAYERS,
         "quick": args.quick,
-        "loadavg_start": load0,
     }
     print_tables(rows, ratios, reps, analytic, meta)
-    meta["wall_s"], meta["loadavg_end"] = time.perf_counter() - start, os.getloadavg()
     print(f"\nwall {meta['wall_s']:.0f} s")
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"meta": meta, "ranks": rows, "ratios": ratios, "parity": [r["parity"] for r in reps]}
-        args.out.write_text(json.dumps(payload | {"analytic": analytic}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        harness.write_results("cp", payload | {"analytic": analytic}, path=args.out)
 
 
 if __name__ == "__main__":

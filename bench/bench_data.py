@@ -39,7 +39,8 @@ Method, one part per table:
    sum(data_wait_s) / sum(window_s), and the median of the per-window ``data_wait_fraction`` (goal: < 10%).
 
 Prints the tables and writes ``bench/results/data.json`` (with the load average at the start of each part: the
-machine is shared, so absolute times drift from run to run). No figure is asserted.
+machine is shared, so absolute times drift from run to run; not with ``--quick`` unless ``--out`` is given). No figure
+is asserted.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ import gc
 import json
 import math
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -60,10 +60,11 @@ import time
 import warnings
 from pathlib import Path
 
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 import datasets
 import numpy as np
-import torch
-import transformers
 from PIL import Image
 
 from processors import load_tiny_processor
@@ -74,7 +75,7 @@ from vlm_sft.trainer import build
 from vlm_sft.trainer.batches import DataLayout, TrainBatches, resolve_num_workers
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "data.json"
+RESULTS = harness.results_path("data")
 WORKERS = (0, 1, 2, 4)
 REAL_SIZE = {"shortest_edge": 65536, "longest_edge": 16777216}
 """Qwen3.5's own image processor limits (min / max pixels); the tiny processor's are small-image bounds."""
@@ -219,8 +220,7 @@ def throughput(cfg, source, processor, pad_id: int, reps: int) -> list[dict]:
     """Every worker count once per repetition, in a rotating order; the median of each figure per count."""
     runs: dict[int, list[dict]] = {n: [] for n in WORKERS}
     for rep in range(reps):
-        order = WORKERS[rep % len(WORKERS) :] + WORKERS[: rep % len(WORKERS)]
-        for n in order:
+        for n in harness.rotation(WORKERS, rep):
             run = draw_pass(cfg, source, processor, workers=n, pad_id=pad_id)
             runs[n].append(run)
             print(
@@ -231,6 +231,8 @@ def throughput(cfg, source, processor, pad_id: int, reps: int) -> list[dict]:
     rows = []
     for n in WORKERS:
         first = runs[n][0]
+        # a ratio within each repetition (against N = 1 of the same repetition), then the median
+        vs_1 = harness.ratio_stats([r["total_s"] for r in runs[1]], [r["total_s"] for r in runs[n]])
         rows.append(
             {
                 "workers": n,
@@ -243,10 +245,8 @@ def throughput(cfg, source, processor, pad_id: int, reps: int) -> list[dict]:
                 "pass_s": statistics.median(r["total_s"] for r in runs[n]),
                 "samples_per_s": statistics.median(r["samples"] / r["total_s"] for r in runs[n]),
                 "tokens_per_s": statistics.median(r["real_tokens"] / r["total_s"] for r in runs[n]),
-                # a ratio within each repetition (against N = 1 of the same repetition), then the median
-                "vs_1_worker": statistics.median(
-                    one["total_s"] / r["total_s"] for r, one in zip(runs[n], runs[1], strict=True)
-                ),
+                "vs_1_worker": vs_1["median"],
+                "vs_1_worker_range": [vs_1["min"], vs_1["max"]],
                 "reps": [{k: r[k] for k in ("first_batch_s", "total_s", "samples")} for r in runs[n]],
             }
         )
@@ -366,13 +366,10 @@ def print_tables(res: dict) -> None:
         f"\nRender + pack: {data['samples']} samples, {data['images']} JPEG images of {IMAGE_W}x{IMAGE_H} "
         f"({TOKENS_PER_IMAGE} tokens each), 8192-token bfd packs, {cores} cores, median of {res['reps']}"
     )
-    header = f"{'workers':>7} {'packs':>5} {'first s':>8} {'pass s':>7} {'samples/s':>9} {'real tok/s':>10} {'vs 1':>5}"
-    print(header + "\n" + "-" * len(header))
-    for r in rows:
-        print(
-            f"{r['workers']:>7} {r['packs']:>5} {r['first_batch_s']:>8.1f} {r['pass_s']:>7.1f} "
-            f"{r['samples_per_s']:>9.2f} {r['tokens_per_s']:>10.0f} {r['vs_1_worker']:>5.2f}"
-        )
+    columns = [("workers", "workers"), ("packs", "packs"), ("first_batch_s", "first s", ".1f")]
+    columns += [("pass_s", "pass s", ".1f"), ("samples_per_s", "samples/s", ".2f")]
+    columns += [("tokens_per_s", "real tok/s", ".0f"), ("vs_1_worker", "vs 1", ".2f")]
+    harness.print_table(None, columns, rows)
     one = next(r for r in rows if r["workers"] == 1)
     per_image = one["pass_s"] / one["images"] * 1e3
     costs = res["image_costs"]
@@ -380,11 +377,9 @@ def print_tables(res: dict) -> None:
         f"one worker: {per_image:.0f} ms per image in a pass; of it JPEG decode {costs['decode_ms']:.0f} ms, "
         f"image processor {costs['image_processor_ms']:.0f} ms"
     )
-    print(f"\nFirst batch, {firsts[0]['workers']} worker(s) (the default here)")
-    header = f"{'source':<10} {'load s':>7} {'first batch s':>13}"
-    print(header + "\n" + "-" * len(header))
-    for f in firsts:
-        print(f"{f['mode']:<10} {f['load_s']:>7.2f} {f['first_batch_s']:>13.1f}")
+    title = f"\nFirst batch, {firsts[0]['workers']} worker(s) (the default here)"
+    columns = [("mode", "source"), ("load_s", "load s", ".2f"), ("first_batch_s", "first batch s", ".1f")]
+    harness.print_table(title, columns, firsts)
     print(
         f"\nOne {gpu['gpu']} at {gpu['mfu']:.0%} MFU on Qwen3.5-0.8B (frozen vision tower): "
         f"{gpu['train_flops_per_real_token'] / 1e9:.2f} GFLOP per real token -> {gpu['gpu_tokens_per_s']:,.0f} tokens/s"
@@ -395,18 +390,14 @@ def print_tables(res: dict) -> None:
         f"= {gpu['workers_needed']} (one core each; {gpu['workers_needed_at_2_worker_efficiency']} at the "
         f"2-worker efficiency here); scaling here: {scaling}: a {cores}-core machine cannot scale past 2 processes"
     )
-    print("\nDefault run (configs/debug.toml), time waiting for data; goal < 10%")
-    header = (
-        f"{'workers':<11} {'steps':>5} {'wall s':>6} {'ms/step':>7} {'busy ms':>7} {'wait share':>10} "
-        f"{'median win':>10} {'max win':>7}"
-    )
-    print(header + "\n" + "-" * len(header))
-    for r in runs:
-        name = f"{r['workers']} ({r['workers_setting']})" if r["workers_setting"] == "default" else str(r["workers"])
-        print(
-            f"{name:<11} {r['steps']:>5} {r['wall_s']:>6.1f} {r['ms_per_step']:>7.0f} {r['busy_ms_per_step']:>7.0f} "
-            f"{r['data_wait_share']:>10.1%} {r['median_window_fraction']:>10.1%} {r['max_window_fraction']:>7.1%}"
-        )
+    columns = [("name", "workers"), ("steps", "steps"), ("wall_s", "wall s", ".1f"), ("ms_per_step", "ms/step", ".0f")]
+    columns += [("busy_ms_per_step", "busy ms", ".0f"), ("data_wait_share", "wait share", ".1%")]
+    columns += [("median_window_fraction", "median win", ".1%"), ("max_window_fraction", "max win", ".1%")]
+    shown = [
+        r | {"name": f"{r['workers']} (default)" if r["workers_setting"] == "default" else str(r["workers"])}
+        for r in runs
+    ]
+    harness.print_table("\nDefault run (configs/debug.toml), time waiting for data; goal < 10%", columns, shown)
     print("ms/step: sum(window_s) / steps; busy ms: the same without the data wait; win: per-window data_wait_fraction")
 
 
@@ -458,24 +449,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=None, help="repetitions of part 1 (default 2; quick 1)")
     ap.add_argument("--steps", type=int, default=None, help="training steps of part 4 (default 200; quick 60)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS.name} in bench/results; --quick: none)")
     args = ap.parse_args()
     samples = args.samples or (24 if args.quick else 96)
     reps = args.reps or (1 if args.quick else 2)
     steps = args.steps or (60 if args.quick else 200)
-    torch.set_num_threads(1)  # workers: 1 thread each (TrainBatches); the main process alike for workers = 0
+    harness.set_threads(1)  # workers: 1 thread each (TrainBatches); the main process alike for workers = 0
     datasets.disable_progress_bars()
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 4 workers on 2 cores, on purpose
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    machine = harness.machine_facts()
     res = {
-        "machine": {
-            "platform": platform.platform(),
-            "cores": cores,
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "datasets": datasets.__version__,
-        },
+        "machine": machine | {"cores": machine["cpus_usable"], "datasets": datasets.__version__},
         "quick": args.quick,
         "seed": args.seed,
         "reps": reps,
@@ -487,9 +471,8 @@ def main() -> None:
     res["default_run"] = [default_run(steps, None, timeout=600), default_run(steps, 0, timeout=600)]
     res["load_average"]["end"] = os.getloadavg()
     print_tables(res)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if not args.quick or args.out:
+        harness.write_results("data", res, path=args.out)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Forward+backward time of our CPU GatedDeltaNet path against transformers' ``torch_chunk_gated_delta_rule``.
 
-Run: ``python bench/bench_linear_attn.py`` (add ``--reps 3`` for a quick look). Prints a table and writes
-``bench/results/bench_linear_attn.json``.
+Run: ``python bench/bench_linear_attn.py`` (``--quick``: 512 tokens, 2 reps, nothing written). Prints a table and
+writes ``bench/results/bench_linear_attn.json``.
 
-Cases (float32, CPU, all in one run, the contenders interleaved rep by rep, median reported):
+Cases (float32, CPU, all in one run, the contenders interleaved rep by rep in a rotating order, median reported; the
+B/A ratio is taken within each rep, then the median):
 - one 2k-token segment, tiny head config (4 value heads x 16) and a mid-size one (16 value heads x 128):
   ours vs transformers' chunked fallback (which cannot do varlen at all; one segment is its best case);
 - a packed row of ~40-token segments vs the same tokens as one segment, through our path: the cost of exact
@@ -13,11 +14,12 @@ Cases (float32, CPU, all in one run, the contenders interleaved rep by rep, medi
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 from pathlib import Path
 
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -25,7 +27,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta
 from vlm_sft.model.gdn import gated_delta_rule
 from vlm_sft.model.varlen import Segments
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_linear_attn.json"
+RESULTS = harness.results_path("bench_linear_attn")
 
 
 def make_inputs(tokens: int, heads: int, head_dim: int, seed: int = 0) -> list[torch.Tensor]:
@@ -59,21 +61,11 @@ def fwd_bwd_seconds(fn, inputs, segments) -> tuple[float, float]:
     return t1 - t0, t2 - t0
 
 
-def race(contenders: dict, inputs, reps: int) -> dict[str, dict[str, float]]:
-    """Interleave the contenders rep by rep (one warm-up each) so machine noise hits them alike; medians."""
-    for fn, cu in contenders.values():
-        fwd_bwd_seconds(fn, inputs, cu)
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
-    for _ in range(reps):
-        for name, (fn, cu) in contenders.items():
-            times[name].append(fwd_bwd_seconds(fn, inputs, cu))
-    return {
-        name: {
-            "fwd_ms": 1e3 * statistics.median(t[0] for t in ts),
-            "fwd_bwd_ms": 1e3 * statistics.median(t[1] for t in ts),
-        }
-        for name, ts in times.items()
-    }
+def race(contenders: dict, inputs, reps: int) -> dict[str, list[tuple[float, float]]]:
+    """(forward, forward + backward) seconds per rep of each contender, interleaved rep by rep in a rotating order
+    (one warm-up each) so machine noise hits them alike."""
+    calls = {name: (lambda fn=fn, cu=cu: fwd_bwd_seconds(fn, inputs, cu)) for name, (fn, cu) in contenders.items()}
+    return harness.interleave_records(calls, reps, warmup=1)
 
 
 def main() -> None:
@@ -81,7 +73,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--segment-len", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 512 tokens, 2 reps, no JSON unless --out")
+    parser.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS.name} in bench/results)")
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.reps = 512, 2
     torch.manual_seed(0)
     one_segment = Segments.from_lengths([args.tokens])
     rows = []
@@ -103,30 +99,31 @@ def main() -> None:
             {"case": f"{label}, {len(lens)} x ~{args.segment_len}", "a": "packed", "b": "one segment", **_pair(res)}
         )
 
-    header = f"{'case':<28} {'A':<8} {'B':<13} {'A fwd ms':>9} {'B fwd ms':>9} {'A f+b ms':>9} {'B f+b ms':>9} {'B/A f+b':>8}"
-    print(f"GatedDeltaNet fwd+bwd, float32, CPU ({torch.get_num_threads()} threads), median of {args.reps}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
-            f"{r['case']:<28} {r['a']:<8} {r['b']:<13} {r['a_fwd_ms']:>9.1f} {r['b_fwd_ms']:>9.1f} "
-            f"{r['a_fwd_bwd_ms']:>9.1f} {r['b_fwd_bwd_ms']:>9.1f} {r['b_over_a_fwd_bwd']:>8.2f}"
-        )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"tokens": args.tokens, "reps": args.reps, "threads": torch.get_num_threads(), "torch": torch.__version__}
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    title = f"GatedDeltaNet fwd+bwd, float32, CPU ({torch.get_num_threads()} threads), median of {args.reps}"
+    columns = [
+        ("case", "case"),
+        ("a", "A"),
+        ("b", "B"),
+        ("a_fwd_ms", "A fwd ms", ".1f"),
+        ("b_fwd_ms", "B fwd ms", ".1f"),
+    ]
+    columns += [("a_fwd_bwd_ms", "A f+b ms", ".1f"), ("b_fwd_bwd_ms", "B f+b ms", ".1f"), ("range", "B/A f+b")]
+    harness.print_table(title, columns, [r | {"range": harness.fmt_range(r["b_over_a_stats"])} for r in rows])
+    if not args.quick or args.out:
+        meta = {"tokens": args.tokens, "reps": args.reps, "threads": torch.get_num_threads()}
+        harness.write_results("bench_linear_attn", {"meta": meta, "rows": rows}, path=args.out)
 
 
-def _pair(res: dict[str, dict[str, float]]) -> dict[str, float]:
-    (_, ra), (_, rb) = res.items()
-    return {
-        "a_fwd_ms": ra["fwd_ms"],
-        "b_fwd_ms": rb["fwd_ms"],
-        "a_fwd_bwd_ms": ra["fwd_bwd_ms"],
-        "b_fwd_bwd_ms": rb["fwd_bwd_ms"],
-        "b_over_a_fwd_bwd": rb["fwd_bwd_ms"] / ra["fwd_bwd_ms"],
-    }
+def _pair(res: dict[str, list[tuple[float, float]]]) -> dict:
+    """Medians in ms of contenders A and B (in that order), and B / A of forward + backward within each rep."""
+    (ta, tb) = res.values()
+    med = {f"{x}_{k}_ms": 1e3 * v for x, t in (("a", ta), ("b", tb)) for k, v in _medians(t).items()}
+    stats = harness.ratio_stats([t[1] for t in tb], [t[1] for t in ta])
+    return med | {"b_over_a_fwd_bwd": stats["median"], "b_over_a_stats": stats}
+
+
+def _medians(times: list[tuple[float, float]]) -> dict[str, float]:
+    return harness.medians(({"fwd": f, "fwd_bwd": fb} for f, fb in times), ("fwd", "fwd_bwd"))
 
 
 if __name__ == "__main__":

@@ -33,15 +33,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import harness  # first: the CPU environment, before any torch import
+
+REPO = harness.REPO
 sys.path.insert(0, str(REPO / "tests"))  # the checkpoint writer and the tests' run settings
-RESULTS = REPO / "bench" / "results" / "load.json"
+RESULTS = harness.results_path("load")
 MIB = 2**20
 
 
@@ -59,9 +59,9 @@ def worker(out_dir: Path, args: list[str]) -> int:
     build_model, export_final = build.build_model, loop.export_final
 
     def timed_build(*a, **kw):
-        t0 = time.perf_counter()
-        model = build_model(*a, **kw)
-        figures["load_s"] = time.perf_counter() - t0
+        with harness.Timer() as t:
+            model = build_model(*a, **kw)
+        figures["load_s"] = t.seconds
         return model
 
     def measured_export(*a, **kw):
@@ -83,12 +83,10 @@ def worker(out_dir: Path, args: list[str]) -> int:
 
 
 def _reset_peak() -> None:
-    """Restart the kernel's high-water mark (``VmHWM``) from the resident set now (Linux ``/proc/self/clear_refs``),
-    after handing glibc's free lists back to the kernel, so that memory the run freed does not count as held."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
+    """Restart the kernel's high-water mark from the resident set now, after handing glibc's free lists back to the
+    kernel, so that memory the run freed does not count as held; these figures need it (Linux >= 4.0)."""
+    if not harness.reset_peak_rss():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): bench_load.py needs Linux >= 4.0")
 
 
 # ------------------------------------------------------------------------------------------------ the runs
@@ -155,25 +153,20 @@ def measure(kind: str, ranks: int, checkpoints: dict, work: Path, shapes: Path) 
 # ------------------------------------------------------------------------------------------------ report
 
 
-def format_table(rows: list[dict]) -> str:
+def print_table(rows: list[dict]) -> str:
     """Peak RSS above the baseline / S: the worst rank for load, train and resume; rank 0 and the others' worst for
     save."""
-    head = f"{'kind':<6} {'ranks':>5} {'S MiB':>6} {'load':>6} {'train':>6} {'save r0':>8} {'save rest':>9} "
-    head += f"{'resume':>7} {'load s':>7}"
-    lines = [
-        "Peak host memory per rank above a tiny checkpoint's baseline, / S (bf16 checkpoint, fp32 on the CPU, gloo)",
-        head,
-        "-" * len(head),
+    shown = [
+        {"kind": r["kind"], "ranks": r["ranks"], "s_mib": r["size_bytes"] / MIB, "load_s": r["load_s"]}
+        | {k: max(r[k]["peak_over_s"]) for k in ("load", "train", "resume")}
+        | {"save_r0": r["save"]["peak_over_s"][0], "save_rest": max(r["save"]["peak_over_s"][1:], default=None)}
+        for r in rows
     ]
-    for r in rows:
-        save = r["save"]["peak_over_s"]
-        rest = f"{max(save[1:]):>9.2f}" if len(save) > 1 else f"{'-':>9}"
-        worst = {k: max(r[k]["peak_over_s"]) for k in ("load", "train", "resume")}
-        lines.append(
-            f"{r['kind']:<6} {r['ranks']:>5} {r['size_bytes'] / MIB:>6.0f} {worst['load']:>6.2f} {worst['train']:>6.2f} "
-            f"{save[0]:>8.2f} {rest} {worst['resume']:>7.2f} {r['load_s']:>7.1f}"
-        )
-    return "\n".join(lines)
+    title = "Peak host memory per rank above a tiny checkpoint's baseline, / S (bf16 checkpoint, fp32 on the CPU, gloo)"
+    columns = [("kind", "kind"), ("ranks", "ranks"), ("s_mib", "S MiB", ".0f"), ("load", "load", ".2f")]
+    columns += [("train", "train", ".2f"), ("save_r0", "save r0", ".2f"), ("save_rest", "save rest", ".2f")]
+    columns += [("resume", "resume", ".2f"), ("load_s", "load s", ".1f")]
+    return harness.print_table(title, columns, shown)
 
 
 def parse_args() -> argparse.Namespace:
@@ -182,6 +175,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4], help="world sizes (default 1 2 4)")
     p.add_argument("--kinds", nargs="+", default=["dense", "moe"], choices=["dense", "moe"])
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
+    p.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS.name} in bench/results)")
     return p.parse_args()
 
 
@@ -193,8 +187,7 @@ def main() -> None:
     from vlm_sft.data.shapes import materialize_shapes
 
     args = parse_args()
-    t0, load_start = time.perf_counter(), os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench_load_") as scratch:
+    with harness.wall_clock() as meta, tempfile.TemporaryDirectory(prefix="bench_load_") as scratch:
         work = args.work or Path(scratch)
         checkpoints = {}
         for kind in args.kinds:
@@ -204,20 +197,13 @@ def main() -> None:
         shapes = work / "shapes"
         materialize_shapes(shapes, num_train=96, num_eval=0, progress=False)
         rows = [measure(kind, n, checkpoints, work, shapes) for kind in args.kinds for n in args.ranks]
-    meta = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
+    meta |= {
         "size_mib": args.size_mib,
         "layers": {k: c.layers for k, c in checkpoints.items()},
         "files": {k: c.files for k, c in checkpoints.items()},
-        "loadavg_start": list(load_start),
-        "loadavg_end": list(os.getloadavg()),
-        "wall_s": time.perf_counter() - t0,
     }
-    print(format_table(rows))
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS.relative_to(REPO)}")
+    print_table(rows)
+    harness.write_results("load", {"meta": meta, "rows": rows}, path=args.out)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ parameters that require gradients), on the same fixed packed row every step, fro
 
 Figures per case: trainable parameters; optimizer state (bytes of AdamW's ``exp_avg`` + ``exp_avg_sq`` after the
 first step); peak memory; step time (forward + backward + clip + AdamW; the median of a process's timed steps, which
-follow one untimed warm-up step). Peak memory is the **process** peak RSS growth: ``ru_maxrss`` after the steps minus
+follow one untimed warm-up step). Peak memory is the **process** peak RSS growth: ``VmHWM`` after the steps minus
 the RSS measured right before the model is built (the batch is built before), so it includes the weights, gradients,
 optimizer state, activations and the allocator's slack, in one fresh process per case.
 
@@ -43,20 +43,16 @@ trainer does for a bf16 LoRA run). Prints the tables and writes ``bench/results/
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
 import json
 import os
-import platform
-import resource
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "lora.json"
+import harness  # first: the CPU environment, before any torch import
+
+RESULTS = harness.results_path("lora")
 MODELS = ("tiny", "0.8B-4L")
 MODES = ("full", "lora")
 REAL_VOCAB = 248_320
@@ -106,20 +102,6 @@ def make_row(name: str, pack_len: int, pad_id: int):
     return max(rows, key=lambda b: b.num_real_tokens)
 
 
-def _trim_heap() -> None:
-    """Hand glibc's free memory back to the OS, so the RSS baseline is what is really held."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
-
-
 def build_trainee(name: str, mode: str, vocab: int | None = None):
     """The model of ``name`` (vision frozen, float32, seed 0) in ``mode``, and its AdamW over the trainable params."""
     import torch
@@ -147,12 +129,12 @@ def run_case(name: str, mode: str, *, steps: int, threads: int, pack_len: int, v
 
     from vlm_sft.model.lora import TEXT_MODEL_PREFIX
 
-    torch.set_num_threads(threads)
+    harness.set_threads(threads)
     row = make_row(name, pack_len, int(model_config(name, vocab).text_config.pad_token_id))
-    _trim_heap()
-    rss0 = _rss_mb()
+    harness.trim_heap()
+    rss0 = harness.rss_mb()
     model, optimizer = build_trainee(name, mode, vocab)
-    built_mb = _rss_mb() - rss0
+    built_mb = harness.rss_mb() - rss0
     trainable = [p for p in model.parameters() if p.requires_grad]
     records, losses, state_bytes = [], [], None
     for i in range(1 + steps):
@@ -173,7 +155,7 @@ def run_case(name: str, mode: str, *, steps: int, threads: int, pack_len: int, v
             )
         else:
             records.append({"forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2, "step": t3 - t0})
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - rss0  # ru_maxrss is in KiB on Linux
+    peak_mb = harness.peak_rss_mb() - rss0  # the process's high-water mark (never reset here)
     text = [p for n, p in model.named_parameters() if n.startswith(TEXT_MODEL_PREFIX) or n == "lm_head.weight"]
     return {
         "model": name,
@@ -187,8 +169,10 @@ def run_case(name: str, mode: str, *, steps: int, threads: int, pack_len: int, v
         "built_mb": built_mb,
         "peak_rss_growth_mb": peak_mb,
         "losses": losses,
-        **{f"{k}_ms": 1e3 * statistics.median(r[k] for r in records) for k in ("step", "forward", "backward")},
-        "optimizer_ms": 1e3 * statistics.median(r["optimizer"] for r in records),
+        **{
+            f"{k}_ms": 1e3 * v
+            for k, v in harness.medians(records, ("step", "forward", "backward", "optimizer")).items()
+        },
     }
 
 
@@ -210,8 +194,7 @@ def run_reps(args: argparse.Namespace) -> list[list[dict]]:
     cases = [(m, mode) for mode in MODES for m in MODELS]  # tiny full, 0.8B full, tiny lora, 0.8B lora
     reps = []
     for rep in range(args.reps):
-        k = rep % len(cases)
-        order = cases[k:] + cases[:k]
+        order = harness.rotation(cases, rep)
         results = []
         for name, mode in order:
             start = time.perf_counter()
@@ -226,6 +209,8 @@ def run_reps(args: argparse.Namespace) -> list[list[dict]]:
     return reps
 
 
+MEDIAN_KEYS = ("step_ms", "forward_ms", "backward_ms", "optimizer_ms", "peak_rss_growth_mb", "built_mb")
+"""Case figures reported as the median over repetitions."""
 RATIO_KEYS = {
     "trainable": "trainable_params",
     "optimizer_state": "optimizer_state_bytes",
@@ -244,19 +229,23 @@ def summarize(reps: list[list[dict]]) -> tuple[list[dict], list[dict]]:
     rows = []
     for _case, runs in sorted(by_case.items(), key=lambda kv: (MODELS.index(kv[0][0]), kv[0][1])):
         row = {k: v for k, v in runs[0].items() if not k.endswith("_ms") and k != "losses"}
-        for key in ("step_ms", "forward_ms", "backward_ms", "optimizer_ms", "peak_rss_growth_mb", "built_mb"):
-            row[key] = statistics.median(r[key] for r in runs)
+        row |= harness.medians(runs, MEDIAN_KEYS)
         row |= {"step_ms_per_rep": [r["step_ms"] for r in runs], "first_loss": runs[0]["losses"][0]}
         row["peak_rss_growth_mb_per_rep"] = [r["peak_rss_growth_mb"] for r in runs]
         rows.append(row)
     ratios = []
     for name in MODELS:
-        per_rep = {k: [] for k in RATIO_KEYS}
-        for results in reps:
-            case = {r["mode"]: r for r in results if r["model"] == name}
-            for k, field in RATIO_KEYS.items():
-                per_rep[k].append(case["lora"][field] / case["full"][field])
-        ratios.append({"model": name, **{k: statistics.median(v) for k, v in per_rep.items()}, "per_rep": per_rep})
+        cases = [{r["mode"]: r for r in results if r["model"] == name} for results in reps]
+        stats = {
+            k: harness.ratio_stats([c["lora"][f] for c in cases], [c["full"][f] for c in cases])
+            for k, f in RATIO_KEYS.items()
+        }
+        ratios.append(
+            {"model": name}
+            | {k: v["median"] for k, v in stats.items()}
+            | {"range": {k: [v["min"], v["max"]] for k, v in stats.items()}}
+            | {"per_rep": {k: v["per_rep"] for k, v in stats.items()}}
+        )
     return rows, ratios
 
 
@@ -329,66 +318,47 @@ def analytic_memory(name: str, r: int) -> dict:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def _print_table(header: str, lines: list[str]) -> None:
-    print(header)
-    print("-" * len(header))
-    for line in lines:
-        print(line)
-
-
 def print_tables(rows: list[dict], ratios: list[dict], analytic: list[dict], meta: dict) -> None:
-    print(
+    title = (
         f"\nFull fine-tuning vs LoRA (r {meta['lora']['r']}, alpha {meta['lora']['alpha']:g}, every text linear), "
         f"float32, CPU ({meta['threads']} threads), vision frozen; median of {meta['reps']} repetitions, "
         "each case in its own process, order rotating"
     )
-    header = (
-        f"{'model':<8} {'mode':<5} {'row tok':>7} {'params M':>9} {'trainable M':>11} {'opt state MB':>12} "
-        f"{'peak MB':>8} {'step ms':>8} {'fwd/bwd/opt ms':>18} {'loss 1':>7}"
-    )
-    lines = []
-    for r in rows:
-        split = "/".join(f"{r[k]:.0f}" for k in ("forward_ms", "backward_ms", "optimizer_ms"))
-        lines.append(
-            f"{r['model']:<8} {r['mode']:<5} {r['row_tokens']:>7} {r['total_params'] / 1e6:>9.2f} "
-            f"{r['trainable_params'] / 1e6:>11.3f} {r['optimizer_state_bytes'] / 2**20:>12.1f} "
-            f"{r['peak_rss_growth_mb']:>8.0f} {r['step_ms']:>8.1f} {split:>18} {r['first_loss']:>7.4f}"
-        )
-    _print_table(header, lines)
+    columns = [("model", "model"), ("mode", "mode"), ("row_tokens", "row tok"), ("params_m", "params M", ".2f")]
+    columns += [("trainable_m", "trainable M", ".3f"), ("state_mb", "opt state MB", ".1f")]
+    columns += [("peak_rss_growth_mb", "peak MB", ".0f"), ("step_ms", "step ms", ".1f")]
+    columns += [("split", "fwd/bwd/opt ms"), ("first_loss", "loss 1", ".4f")]
+    shown = [
+        r
+        | {"params_m": r["total_params"] / 1e6, "trainable_m": r["trainable_params"] / 1e6}
+        | {"state_mb": r["optimizer_state_bytes"] / 2**20}
+        | {"split": "/".join(f"{r[k]:.0f}" for k in ("forward_ms", "backward_ms", "optimizer_ms"))}
+        for r in rows
+    ]
+    harness.print_table(title, columns, shown)
     big = meta["settings"]["0.8B-4L"]
     vocab = f"vocabulary {big['vocab']:,} (real: {REAL_VOCAB:,})" if big["vocab"] else f"vocabulary {REAL_VOCAB:,}"
     print(
         f"tiny: configs/debug.toml's model, vision frozen here. 0.8B-4L: Qwen3.5-0.8B widths, 4 text layers, {vocab}."
     )
-    print("peak MB: process peak RSS (ru_maxrss) after the steps minus the RSS before the model was built: weights,")
+    print("peak MB: process peak RSS (VmHWM) after the steps minus the RSS before the model was built: weights,")
     print("gradients, AdamW state, activations, allocator slack. loss 1: first step's loss (same init: must agree).")
-    print("\nLoRA / full (ratios within a repetition, then the median)")
-    header = f"{'model':<8} {'trainable':>10} {'opt state':>10} {'peak mem':>9} {'step time':>10}"
-    _print_table(
-        header,
-        [
-            f"{r['model']:<8} {r['trainable']:>10.4f} {r['optimizer_state']:>10.4f} {r['peak_memory']:>9.3f} "
-            f"{r['step_time']:>10.3f}"
-            for r in ratios
-        ],
-    )
-    print(
+    columns = [("model", "model"), ("trainable", "trainable", ".4f"), ("optimizer_state", "opt state", ".4f")]
+    columns += [("peak_memory", "peak mem", ".3f"), ("step_time", "step time", ".3f")]
+    harness.print_table("\nLoRA / full (ratios within a repetition, then the median)", columns, ratios)
+    title = (
         "\nStatic training memory of the full shapes (analytic, GiB: weights + gradients + AdamW moments; no "
         "activations, not sharded; full = fp32 master weights, vision frozen)"
     )
-    header = (
-        f"{'model':<5} {'params B':>9} {'text B':>7} {'LoRA M':>7} {'base fp32':>10} {'base bf16':>10} "
-        f"{'full FT':>8} {'LoRA fp32':>10} {'LoRA bf16':>10}"
-    )
-    _print_table(
-        header,
-        [
-            f"{a['model']:<5} {a['total_params'] / 1e9:>9.2f} {a['text_params'] / 1e9:>7.2f} "
-            f"{a['lora_params'] / 1e6:>7.1f} {a['frozen_fp32_gib']:>10.1f} {a['frozen_bf16_gib']:>10.1f} "
-            f"{a['full_static_gib']:>8.1f} {a['lora_fp32_static_gib']:>10.1f} {a['lora_bf16_static_gib']:>10.1f}"
-            for a in analytic
-        ],
-    )
+    columns = [("model", "model"), ("params_b", "params B", ".2f"), ("text_b", "text B", ".2f")]
+    columns += [("lora_m", "LoRA M", ".1f"), ("frozen_fp32_gib", "base fp32", ".1f")]
+    columns += [("frozen_bf16_gib", "base bf16", ".1f"), ("full_static_gib", "full FT", ".1f")]
+    columns += [("lora_fp32_static_gib", "LoRA fp32", ".1f"), ("lora_bf16_static_gib", "LoRA bf16", ".1f")]
+    shown = [
+        a | {"params_b": a["total_params"] / 1e9, "text_b": a["text_params"] / 1e9, "lora_m": a["lora_params"] / 1e6}
+        for a in analytic
+    ]
+    harness.print_table(title, columns, shown)
 
 
 def parse_args() -> argparse.Namespace:
@@ -419,16 +389,13 @@ def main() -> None:
         case = {"steps": args.steps, "pack_len": args.pack_len, "vocab": args.vocab or None}
         print(json.dumps(run_case(name, mode, threads=args.threads, **case)))
         return
-    start = time.perf_counter()
-    rows, ratios = summarize(run_reps(args))
-    from vlm_sft.config import LoraSettings
+    with harness.wall_clock() as meta:
+        rows, ratios = summarize(run_reps(args))
+        from vlm_sft.config import LoraSettings
 
-    lora = LoraSettings()
-    analytic = [analytic_memory(name, lora.r) for name in ("0.8B", "9B", "27B")]
-    meta = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu_count": os.cpu_count(),
+        lora = LoraSettings()
+        analytic = [analytic_memory(name, lora.r) for name in ("0.8B", "9B", "27B")]
+    meta |= {
         "threads": args.threads,
         "reps": args.reps,
         "settings": args.settings,
@@ -437,13 +404,10 @@ def main() -> None:
         "quick": args.quick,
     }
     print_tables(rows, ratios, analytic, meta)
-    meta["wall_s"] = time.perf_counter() - start
     print(f"\nwall {meta['wall_s']:.0f} s")
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {"meta": meta, "cases": rows, "ratios": ratios, "analytic": analytic}
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        harness.write_results("lora", payload, path=args.out)
 
 
 if __name__ == "__main__":

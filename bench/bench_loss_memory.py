@@ -1,14 +1,15 @@
 """Peak memory of our chunked cross-entropy against full ``F.cross_entropy`` over materialised logits (CPU).
 
 Run: ``python bench/bench_loss_memory.py`` (defaults: Qwen3.5's vocabulary 248,320, 4,096 tokens, hidden 1,024,
-float32). Prints a table and writes ``bench/results/bench_loss_memory.json``.
+float32; ``--quick``: 512 tokens, hidden 256, vocabulary 32,768, nothing written). Prints a table and writes
+``bench/results/bench_loss_memory.json``.
 
 Two kinds of rows: ``train`` (forward + backward of the loss sum: full ``F.cross_entropy`` against
 ``chunked_cross_entropy``) and ``eval`` (per-token loss and argmax, no gradient: what eval did before, full fp32
 logits with ``F.cross_entropy(reduction="none")`` and ``argmax``, against ``token_scores``, which eval and the
 notebooks now use). The eval rows show that teacher-forced scoring fits inside the chunked training loss's budget.
 
-Each variant runs in a fresh child process; its peak resident memory (``ru_maxrss``) after building the inputs is
+Each variant runs in a fresh child process; its peak resident memory (``VmHWM``) after building the inputs is
 the baseline, and the figure reported is how far the variant raised the peak above it. The weight and hidden-state
 gradients (which both train variants produce) are included. The full variants need about 13 GB.
 """
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results" / "bench_loss_memory.json"
+import harness  # first: the CPU environment, before any torch import
+
+RESULTS = harness.results_path("bench_loss_memory")
 QWEN3_5_VOCAB = 248_320
 MODES = ("full", "chunked", "full-eval", "eval")
 """Child variants: train full / chunked, eval full (the old eval) / chunked (``token_scores``)."""
@@ -42,7 +44,7 @@ def child(mode: str, tokens: int, hidden: int, vocab: int, chunk_size: int) -> N
     w = torch.randn(vocab, hidden, generator=gen).mul_(0.02).requires_grad_(train)  # in place: no transient copy
     targets = torch.randint(0, vocab, (tokens,), generator=gen)
     mask = torch.rand(tokens, generator=gen) > 0.2
-    baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline_mb = harness.peak_rss_mb()
     t0 = time.perf_counter()
     if mode == "full":
         logits = h @ w.T
@@ -63,8 +65,8 @@ def child(mode: str, tokens: int, hidden: int, vocab: int, chunk_size: int) -> N
         nll, argmax = token_scores(h, w, targets, mask, chunk_size=chunk_size)
         loss = nll.sum()
     seconds = time.perf_counter() - t0
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"loss": loss.item(), "seconds": seconds, "extra_peak_mb": (peak_kb - baseline_kb) / 1024}))
+    extra_mb = harness.peak_rss_mb() - baseline_mb
+    print(json.dumps({"loss": loss.item(), "seconds": seconds, "extra_peak_mb": extra_mb}))
 
 
 def run_child(mode: str, args: argparse.Namespace, chunk_size: int) -> dict:
@@ -81,8 +83,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=QWEN3_5_VOCAB)
     parser.add_argument("--chunk-sizes", type=int, nargs="+", default=[1024, 256])
     parser.add_argument("--chunk-size", type=int, default=1024, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="a smoke run: small sizes, no JSON unless --out")
+    parser.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS.name} in bench/results)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.tokens, args.hidden, args.vocab, args.chunk_sizes = 512, 256, 32768, [256]
     if args.child:
         child(args.child, args.tokens, args.hidden, args.vocab, args.chunk_size)
         return
@@ -96,27 +102,20 @@ def main() -> None:
             ratio = res["extra_peak_mb"] / full["extra_peak_mb"]
             rows.append({"kind": kind, "variant": f"chunked {kind}", "chunk_size": size, **res, "ratio_to_full": ratio})
     print_table(rows, args)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": "float32"}
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    if not args.quick or args.out:
+        meta = {"tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab, "dtype": "float32"}
+        harness.write_results("bench_loss_memory", {"meta": meta, "rows": rows}, path=args.out)
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     logits_gb = args.tokens * args.vocab * 4 / 2**30
-    print(
+    title = (
         f"cross-entropy, float32, CPU: {args.tokens} tokens, hidden {args.hidden}, vocab {args.vocab:,} "
         f"(full fp32 logits alone: {logits_gb:.1f} GiB)"
     )
-    header = f"{'variant':<22} {'chunk':>6} {'extra peak MB':>14} {'ratio':>7} {'seconds':>8} {'loss sum':>14}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        chunk = "-" if r["chunk_size"] is None else str(r["chunk_size"])
-        print(
-            f"{r['variant']:<22} {chunk:>6} {r['extra_peak_mb']:>14.0f} {r['ratio_to_full']:>7.3f} "
-            f"{r['seconds']:>8.1f} {r['loss']:>14.3f}"
-        )
+    columns = [("variant", "variant"), ("chunk_size", "chunk"), ("extra_peak_mb", "extra peak MB", ".0f")]
+    columns += [("ratio_to_full", "ratio", ".3f"), ("seconds", "seconds", ".1f"), ("loss", "loss sum", ".3f")]
+    harness.print_table(title, columns, rows)
 
 
 if __name__ == "__main__":

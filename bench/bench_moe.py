@@ -35,13 +35,13 @@ a host sync on CUDA. Prints the tables and writes ``bench/results/moe.json`` (no
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import Qwen3_5MoeTextConfig
@@ -49,7 +49,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSpars
 
 from vlm_sft.model.moe import SparseMoeBlock
 
-RESULTS = Path(__file__).resolve().parent / "results" / "moe.json"
+RESULTS = harness.results_path("moe")
 REAL = {"hidden_size": 2048, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "top_k": 8}
 """Qwen3.5-35B-A3B's MoE widths (its text config); it has 256 experts, 40 layers."""
 REAL_EXPERTS = 256
@@ -157,21 +157,12 @@ def run_case(label: str, tokens: int, num_experts: int, reps: int) -> dict:
     with torch.no_grad():
         _, _, experts_TK = blocks[0].gate(x_TD)
     load = torch.bincount(experts_TK.reshape(-1), minlength=num_experts)
-    times: dict[str, list[float]] = {name: [] for name in CONTENDERS}
-    for rep in range(reps):
-        order = CONTENDERS[rep % len(CONTENDERS) :] + CONTENDERS[: rep % len(CONTENDERS)]
-        for name in order:
-            times[name].append(step(name, blocks, x_TD, cotangent_TD)[0])
-        print(
-            f"  {label} rep {rep + 1}/{reps}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in CONTENDERS),
-            flush=True,
-        )
-    ratios = {
-        name: statistics.median(t / r for t, r in zip(times[name], times[REFERENCE], strict=True)) for name in times
-    }
-    grouped_vs_sorted = statistics.median(
-        g / s for g, s in zip(times["ours grouped_mm"], times["ours sorted"], strict=True)
-    )
+    # each contender times itself (the gradient reset left out); the warm-up calls were check_agreement's
+    times = harness.interleave({n: lambda n=n: step(n, blocks, x_TD, cotangent_TD)[0] for n in CONTENDERS}, reps)
+    print(f"  {label}: " + ", ".join(f"{n} {statistics.median(times[n]) * 1e3:.0f} ms" for n in CONTENDERS), flush=True)
+    stats = {name: harness.ratio_stats(times[name], times[REFERENCE]) for name in CONTENDERS}
+    ratios = {name: v["median"] for name, v in stats.items()}
+    grouped_vs_sorted = harness.ratio_stats(times["ours grouped_mm"], times["ours sorted"])["median"]
     return {
         "case": label,
         "tokens": tokens,
@@ -184,6 +175,7 @@ def run_case(label: str, tokens: int, num_experts: int, reps: int) -> dict:
         "median_ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
         "times_ms": {name: [s * 1e3 for s in t] for name, t in times.items()},
         "ratio_vs_" + REFERENCE.replace(" ", "_"): ratios,
+        "ratio_range": {name: [v["min"], v["max"]] for name, v in stats.items()},
         "ours_grouped_vs_ours_sorted": grouped_vs_sorted,
         "host_reads_per_forward": host_reads,
         "max_rel_err_vs_ours_sorted": errors,
@@ -197,20 +189,21 @@ def print_tables(cases: list[dict], meta: dict) -> None:
         f"{REAL['shared_expert_intermediate_size']}, top-{REAL['top_k']} of {meta['experts']} experts (the real "
         f"model: {REAL_EXPERTS}); median of {meta['reps']} repetitions, contenders interleaved"
     )
-    header = f"{'case':<9} {'contender':<16} {'ms':>8} {'vs hf grouped_mm':>17} {'host reads':>10} {'max rel err':>11}"
-    print(header)
-    print("-" * len(header))
+    rows = []
     for case in cases:
-        ratios = case["ratio_vs_" + REFERENCE.replace(" ", "_")]
+        ratios, ranges = case["ratio_vs_" + REFERENCE.replace(" ", "_")], case["ratio_range"]
         for name in CONTENDERS:
-            err = max(case["max_rel_err_vs_ours_sorted"].get(name, {"ref": 0.0}).values())
-            print(
-                f"{case['case']:<9} {name:<16} {case['median_ms'][name]:>8.0f} {ratios[name]:>17.2f} "
-                f"{case['host_reads_per_forward'][name]:>10} {err:>11.1e}"
+            stats = {"median": ratios[name], "min": ranges[name][0], "max": ranges[name][1]}
+            rows.append(
+                {"case": case["case"], "contender": name, "ms": case["median_ms"][name]}
+                | {"ratio": harness.fmt_range(stats), "reads": case["host_reads_per_forward"][name]}
+                | {"err": max(case["max_rel_err_vs_ours_sorted"].get(name, {"ref": 0.0}).values())}
             )
+    columns = [("case", "case"), ("contender", "contender"), ("ms", "ms", ".0f"), ("ratio", "vs hf grouped_mm")]
+    harness.print_table(None, [*columns, ("reads", "host reads"), ("err", "max rel err", ".1e")], rows)
     print(
         "\nms: forward + backward of the layer (router, routed experts, shared expert). vs hf grouped_mm: time / "
-        "transformers' default experts implementation's, within a repetition, median. host reads: value reads on the "
+        "transformers' default experts implementation's, within a repetition, median (min-max). host reads: value reads on the "
         "host in one forward (each a device sync on CUDA). max rel err: largest difference from ours sorted over the "
         "output and the input, gate_up and down gradients, over the largest reference magnitude."
     )
@@ -238,17 +231,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(args.threads)
-    start = time.perf_counter()
-    cases = [run_case(f"{tokens} tok", tokens, args.experts, args.reps) for tokens in args.tokens]
-    import transformers
-
-    meta = {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cpu_count": os.cpu_count(),
+    harness.set_threads(args.threads)
+    with harness.wall_clock() as meta:
+        cases = [run_case(f"{tokens} tok", tokens, args.experts, args.reps) for tokens in args.tokens]
+    meta |= {
         "threads": args.threads,
         "reps": args.reps,
         "dtype": "float32",
@@ -260,12 +246,9 @@ def main() -> None:
         "quick": args.quick,
     }
     print_tables(cases, meta)
-    meta["wall_s"] = time.perf_counter() - start
     print(f"\nwall {meta['wall_s']:.0f} s")
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "cases": cases}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        harness.write_results("moe", {"meta": meta, "cases": cases}, path=args.out)
 
 
 if __name__ == "__main__":

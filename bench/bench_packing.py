@@ -1,6 +1,6 @@
 """Packing efficiency and throughput of cat / bfd / stack on synthetic VLM-SFT-like data.
 
-    python bench/bench_packing.py [--n-long 2000] [--n-short 8000] [--out bench/results/packing.json]
+    python bench/bench_packing.py [--n-long 2000] [--n-short 8000] [--out bench/results/packing.json] [--quick]
 
 Efficiency is real tokens / capacity (rows x row length) over a full pass. Throughput is per worker (one process):
 ``pack+collate`` runs the pipeline over pre-rendered samples (truncate, shift, pack, collate: the packing stage's own
@@ -11,18 +11,19 @@ for image decoding. Figures vary run to run on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
 
-import torch
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.synthetic import SyntheticSource
 
+RESULTS = harness.results_path("packing")
 DISTRIBUTIONS = {
     # name: (pack_len = seq_len, stack batch rows)
     "long_tail": (8192, 8),
@@ -77,15 +78,37 @@ def _summary_from(pipe: PackingPipeline, packs) -> dict:
     }
 
 
+def result_row(dist: str, packing: str, pack_len: int, summary: dict, secs: float, rows: int = 1, budget=None) -> dict:
+    """One line of the table and of ``results`` in the JSON: a pass's summary and its best wall time."""
+    return {
+        "distribution": dist,
+        "packing": packing,
+        "stack_rows": rows if packing == "stack" else None,
+        "max_image_patches_per_pack": budget,
+        "pack_len": pack_len,
+        "packing_efficiency": round(summary["packing_efficiency"], 4),
+        "packs": summary["packs"],
+        "rows": summary["rows"],
+        "padding_tokens": summary["padding_tokens"],
+        "skipped": sum(v["count"] for v in summary["skipped"].values()),
+        "patches_per_pack_max": summary["patches_per_pack"]["max"],
+        "packs_per_s": round(summary["packs"] / secs, 1),
+        "ktok_per_s": round(summary["real_tokens"] / secs / 1e3, 1),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n-long", type=int, default=2000)
     ap.add_argument("--n-short", type=int, default=8000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per configuration; the best is reported")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "packing.json")
+    ap.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS.name} in bench/results)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 200 + 400 samples, 1 pass, no JSON unless --out")
     args = ap.parse_args()
-    torch.set_num_threads(1)  # one dataloader worker's share
+    if args.quick:
+        args.n_long, args.n_short, args.repeats = 200, 400, 1
+    harness.set_threads(1)  # one dataloader worker's share
 
     results = []
     for dist, num in (("long_tail", args.n_long), ("short", args.n_short)):
@@ -113,72 +136,40 @@ def main() -> None:
                 budget=budget,
                 repeats=args.repeats,
             )
-            row = {
-                "distribution": dist,
-                "packing": mode,
-                "stack_rows": rows if mode == "stack" else None,
-                "max_image_patches_per_pack": budget,
-                "pack_len": pack_len,
-                "packing_efficiency": round(summary["packing_efficiency"], 4),
-                "packs": summary["packs"],
-                "rows": summary["rows"],
-                "padding_tokens": summary["padding_tokens"],
-                "skipped": sum(v["count"] for v in summary["skipped"].values()),
-                "patches_per_pack_max": summary["patches_per_pack"]["max"],
-                "packs_per_s": round(summary["packs"] / secs, 1),
-                "ktok_per_s": round(summary["real_tokens"] / secs / 1e3, 1),
-            }
-            results.append(row)
+            results.append(result_row(dist, mode, pack_len, summary, secs, rows, budget))
         # end-to-end (synthetic render included) for bfd
         e2e_summary, e2e_secs = run_pass(num, src, pack_len=pack_len, mode="bfd", batch_size=1)
-        results.append(
-            {
-                "distribution": dist,
-                "packing": "bfd (end-to-end, synthetic render)",
-                "stack_rows": None,
-                "max_image_patches_per_pack": None,
-                "pack_len": pack_len,
-                "packing_efficiency": round(e2e_summary["packing_efficiency"], 4),
-                "packs": e2e_summary["packs"],
-                "rows": e2e_summary["rows"],
-                "padding_tokens": e2e_summary["padding_tokens"],
-                "skipped": sum(v["count"] for v in e2e_summary["skipped"].values()),
-                "patches_per_pack_max": e2e_summary["patches_per_pack"]["max"],
-                "packs_per_s": round(e2e_summary["packs"] / e2e_secs, 1),
-                "ktok_per_s": round(e2e_summary["real_tokens"] / e2e_secs / 1e3, 1),
-            }
-        )
+        results.append(result_row(dist, "bfd (end-to-end, synthetic render)", pack_len, e2e_summary, e2e_secs))
 
-    header = f"{'distribution':<10} {'packing':<36} {'L':>5} {'eff':>7} {'packs':>6} {'rows':>6} {'pad tok':>9} {'skip':>5} {'max patch':>9} {'packs/s':>8} {'ktok/s':>7}"
-    print("\n" + header + "\n" + "-" * len(header))
+    columns = [("distribution", "distribution"), ("name", "packing"), ("pack_len", "L")]
+    columns += [("packing_efficiency", "eff", ".4f"), ("packs", "packs"), ("rows", "rows")]
+    columns += [("padding_tokens", "pad tok"), ("skipped", "skip"), ("patches_per_pack_max", "max patch")]
+    columns += [("packs_per_s", "packs/s"), ("ktok_per_s", "ktok/s")]
+    shown = []
     for r in results:
         name = r["packing"] + (f" x{r['stack_rows']} rows" if r["stack_rows"] else "")
         name += f" (patch cap {r['max_image_patches_per_pack']})" if r["max_image_patches_per_pack"] else ""
-        print(
-            f"{r['distribution']:<10} {name:<36} {r['pack_len']:>5} {r['packing_efficiency']:>7.4f} {r['packs']:>6} "
-            f"{r['rows']:>6} {r['padding_tokens']:>9} {r['skipped']:>5} {r['patches_per_pack_max']:>9} "
-            f"{r['packs_per_s']:>8} {r['ktok_per_s']:>7}"
-        )
+        shown.append(r | {"name": name})
+    print()
+    harness.print_table(None, columns, shown)
     print("packs/s, ktok/s: one worker, one thread; truncate + shift + pack + collate over pre-rendered samples,")
     print("except the end-to-end rows, which also render (random pixel values stand in for image decoding).")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "machine": {"platform": platform.platform(), "torch": torch.__version__, "threads": 1},
         "n_long": args.n_long,
         "n_short": args.n_short,
         "repeats": args.repeats,
         "seed": args.seed,
         "results": results,
     }
-    args.out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if not args.quick or args.out:
+        harness.write_results("packing", payload, path=args.out)
     bfd_long = next(
         r
         for r in results
         if r["distribution"] == "long_tail" and r["packing"] == "bfd" and not r["max_image_patches_per_pack"]
     )
-    if bfd_long["packing_efficiency"] < 0.97:
+    if bfd_long["packing_efficiency"] < 0.97 and not args.quick:
         raise SystemExit(f"bfd efficiency {bfd_long['packing_efficiency']} < 0.97 on the long-tailed distribution")
 
 

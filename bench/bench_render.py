@@ -1,7 +1,7 @@
 """Rendering throughput: our renderer vs calling the HF processor's ``apply_chat_template`` per sample.
 
-Run: ``python bench/bench_render.py`` (``--samples 100 --reps 3`` for a quick look). Prints a table and writes
-``bench/results/render.json``.
+Run: ``python bench/bench_render.py`` (``--quick``: 60 conversations, 2 reps, nothing written). Prints a table and
+writes ``bench/results/render.json``.
 
 Data: shapes-like conversations (coloured shapes on noisy backgrounds, 64x64 and 96x96 PNG files; ~10% with two
 images, ~10% text-only, some with a system prompt), from ``vlm_sft.data.shapes``. Two scenarios:
@@ -9,7 +9,8 @@ images, ~10% text-only, some with a system prompt), from ``vlm_sft.data.shapes``
 - ``repeat``: the same conversations with their images drawn from a pool of 32 files (an epoch over a small pool).
 
 Contenders, interleaved in blocks of 10 conversations (rotating order; this machine is shared, so load from other
-processes drifts), median over reps of samples/s reported:
+processes drifts), median over reps of samples/s reported; ``ours / this`` is a ratio within each rep, then the median
+(min-max):
 - ``ours``: ``Qwen3_5Renderer.render`` (a fresh renderer each rep, so its cache starts empty each pass), which yields token
   ids, loss mask, modality types and images;
 - ``hf``: ``processor.apply_chat_template(..., tokenize=True, return_dict=True, return_tensors="pt")``;
@@ -21,22 +22,22 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 import torch
-import transformers
 
 from processors import load_tiny_processor
 from renderers import get_renderer
 from vlm_sft.data.shapes import make_sample
 
-RESULTS = Path(__file__).resolve().parent / "results" / "render.json"
+RESULTS = harness.results_path("render")
 POOL = 32
 
 
@@ -147,13 +148,13 @@ def bench(processor: Any, conversations: list[list[dict]], reps: int, block: int
     seconds: dict[str, list[float]] = {c.name: [] for c in contenders}
     shares: dict[str, list[float]] = {c.name: [] for c in contenders}
     blocks = [conversations[i : i + block] for i in range(0, len(conversations), block)]
+    by_name = {c.name: c for c in contenders}
     for rep in range(reps + 1):  # rep 0 warms up: imports, template compilation, allocator
         for c in contenders:
             c.start_rep()
         for k, chunk in enumerate(blocks):
-            shift = (rep + k) % len(contenders)
-            for c in contenders[shift:] + contenders[:shift]:
-                c.run(chunk)
+            for name in harness.rotation(list(by_name), rep + k):
+                by_name[name].run(chunk)
         if rep == 0:
             continue
         for c in contenders:
@@ -165,6 +166,7 @@ def bench(processor: Any, conversations: list[list[dict]], reps: int, block: int
             "samples_per_s": n / statistics.median(seconds[name]),
             "ms_per_sample": 1e3 * statistics.median(seconds[name]) / n,
             "image_processor_share": statistics.median(shares[name]),
+            "ours_over_this_stats": harness.ratio_stats(seconds[name], seconds["ours"]),  # ours' speed / this one's
         }
         for name in seconds
     }
@@ -175,7 +177,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--block", type=int, default=10, help="conversations per interleaved block")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 60 conversations, 2 reps, no JSON")
+    parser.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS.name} in bench/results)")
     args = parser.parse_args()
+    if args.quick:
+        args.samples, args.reps = 60, 2
     processor = load_tiny_processor()
     with tempfile.TemporaryDirectory() as tmp:
         distinct, repeated = make_conversations(Path(tmp), args.samples)
@@ -185,21 +191,16 @@ def main() -> None:
             "no-repeat": bench(processor, distinct, args.reps, args.block),
             "repeat": bench(processor, repeated, args.reps, args.block),
         }
-    header = (
-        f"{'scenario':<10} {'contender':<9} {'samples/s':>10} {'ms/sample':>10} {'ip share':>9} {'ours / this':>12}"
-    )
-    print(f"{args.samples} conversations, {n_images} images, {args.reps} interleaved reps, median")
-    print(header)
-    print("-" * len(header))
-    rows = []
-    for scenario, by_name in results.items():
-        for name, r in by_name.items():
-            ratio = by_name["ours"]["samples_per_s"] / r["samples_per_s"]
-            rows.append({"scenario": scenario, "contender": name, **r, "ours_over_this": ratio})
-            print(
-                f"{scenario:<10} {name:<9} {r['samples_per_s']:>10.0f} {r['ms_per_sample']:>10.2f} "
-                f"{100 * r['image_processor_share']:>8.0f}% {ratio:>12.2f}"
-            )
+    rows = [
+        {"scenario": scenario, "contender": name, **r, "ours_over_this": r["ours_over_this_stats"]["median"]}
+        for scenario, by_name in results.items()
+        for name, r in by_name.items()
+    ]
+    columns = [("scenario", "scenario"), ("contender", "contender"), ("samples_per_s", "samples/s", ".0f")]
+    columns += [("ms_per_sample", "ms/sample", ".2f"), ("image_processor_share", "ip share", ".0%")]
+    title = f"{args.samples} conversations, {n_images} images, {args.reps} interleaved reps, median"
+    shown = [r | {"ratio": harness.fmt_range(r["ours_over_this_stats"])} for r in rows]
+    harness.print_table(title, [*columns, ("ratio", "ours / this")], shown)
     meta = {
         "samples": args.samples,
         "images": n_images,
@@ -207,13 +208,9 @@ def main() -> None:
         "block": args.block,
         "image_pool_repeat": POOL,
         "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    if not args.quick or args.out:
+        harness.write_results("render", {"meta": meta, "rows": rows}, path=args.out)
 
 
 if __name__ == "__main__":

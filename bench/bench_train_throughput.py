@@ -26,19 +26,15 @@ The ideal gain of packing is the padded baseline's capacity / its real tokens (a
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import gc
-import itertools
-import json
-import os
-import platform
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 import torch
 
 from vlm_sft.config import load_config
@@ -54,7 +50,7 @@ from vlm_sft.trainer.metrics import ModuleTimer
 from vlm_sft.trainer.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "bench" / "results" / "train_throughput.json"
+RESULTS = harness.results_path("train_throughput")
 
 
 @dataclass(frozen=True)
@@ -163,28 +159,6 @@ def pack_workload(w: Workload, pad_id: int) -> None:
 # ------------------------------------------------------------------------------------------------ training
 
 
-def _trim_heap() -> None:
-    """Return glibc's free memory to the OS so the next high-water mark measures this pass, not earlier ones."""
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def _rss_kb(field_name: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
 @dataclass
 class Trainee:
     """One mode's model and optimizer (every mode trains its own copy from the same initial weights)."""
@@ -224,9 +198,8 @@ class Runner:
         t = self.trainees[label]
         for cache in (varlen.grouped_chunk_layout, varlen.bucket_layout, varlen._position_in_segment):
             cache.cache_clear()  # a packed row pays its layout once, as in training
-        _trim_heap()
-        peak_ok = _reset_peak()
-        rss0 = _rss_kb("VmRSS")
+        peak_ok = harness.reset_peak_rss()  # glibc's free lists trimmed first
+        rss0 = harness.rss_mb()
         steps = []
         for batch in batches:
             t.vision_timer.take()
@@ -242,17 +215,11 @@ class Runner:
             steps.append(
                 {"vision": t.vision_timer.take(), "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2}
             )
-        peak = (_rss_kb("VmHWM") - rss0) / 1024 if peak_ok else None
+        peak = harness.peak_rss_mb() - rss0 if peak_ok else None
         return steps, peak
 
 
 # ------------------------------------------------------------------------------------------------ report
-
-
-def _slices(batches: list, n: int) -> list[list]:
-    """``n`` consecutive slices of about equal length (some may be empty for short lists)."""
-    bounds = [round(i * len(batches) / n) for i in range(n + 1)]
-    return [batches[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def bench_workload(w: Workload, runner: Runner, reps: int, slices: int) -> list[dict]:
@@ -265,11 +232,10 @@ def bench_workload(w: Workload, runner: Runner, reps: int, slices: int) -> list[
     peaks: dict[str, list[float]] = {label: [] for label in labels}
     for rep in range(reps):
         runner.reset()
-        per_mode = {label: _slices(w.batches[label], slices) for label in labels}
+        per_mode = {label: harness.slices(w.batches[label], slices) for label in labels}
         done: dict[str, list[dict]] = {label: [] for label in labels}
         for k in range(slices):
-            order = labels[(rep + k) % len(labels) :] + labels[: (rep + k) % len(labels)]
-            for label in order:
+            for label in harness.rotation(labels, rep + k):
                 if per_mode[label][k]:
                     out, peak = runner.run(label, per_mode[label][k])
                     done[label] += out
@@ -292,10 +258,8 @@ def bench_workload(w: Workload, runner: Runner, reps: int, slices: int) -> list[
         executed = sum(batch_flops(b, config, vision_trainable=vision_trainable, count_padding=True).train for b in bs)
         pass_s = [sum(_step_s(s) for s in rep_steps) for rep_steps in reps_steps]
         seconds = statistics.median(pass_s)
-        parts = {
-            k: statistics.median(sum(s[k] for s in rep_steps) for rep_steps in reps_steps)
-            for k in ("vision", "forward", "backward", "optimizer")
-        }
+        per_rep_parts = [{k: sum(s[k] for s in rep_steps) for k in PARTS} for rep_steps in reps_steps]
+        parts = harness.medians(per_rep_parts, PARTS)
         step_total = parts["forward"] + parts["backward"] + parts["optimizer"]
         shape = sorted({b.shape for b in bs})
         rows.append(
@@ -329,10 +293,20 @@ def bench_workload(w: Workload, runner: Runner, reps: int, slices: int) -> list[
         for r in rows:
             if r["mode"] in w.baselines:
                 continue
-            ratios = [bp / rp for rp, bp in zip(r["pass_seconds"], b["pass_seconds"], strict=True)]
-            gain = statistics.median(ratios)  # same real tokens: time ratio = real tok/s ratio
-            r.setdefault("vs", {})[base] = {"gain": gain, "ideal": ideal, "of_ideal": gain / ideal}
+            # same real tokens in both: the padded / packed time ratio is the packed / padded real tokens/s ratio
+            g = harness.ratio_stats(b["pass_seconds"], r["pass_seconds"])
+            vs = {
+                "gain": g["median"],
+                "ideal": ideal,
+                "of_ideal": g["median"] / ideal,
+                "gain_range": [g["min"], g["max"]],
+            }
+            r.setdefault("vs", {})[base] = vs
     return rows
+
+
+PARTS = ("vision", "forward", "backward", "optimizer")
+"""The timed parts of a step (vision is inside forward)."""
 
 
 def _step_s(step: dict) -> float:
@@ -340,39 +314,33 @@ def _step_s(step: dict) -> float:
 
 
 def print_tables(rows: list[dict], meta: dict) -> None:
-    threads = meta["threads"]
-    print(
+    threads = f"{meta['threads']} thread{'s' if meta['threads'] > 1 else ''}"
+    title = (
         f"\nTraining throughput, tiny Qwen3.5 ({meta['params_m']:.2f} M params, vision trainable), float32, CPU "
-        f"({threads} thread{'s' if threads > 1 else ''}), median of {meta['reps']} repetitions, modes interleaved"
+        f"({threads}), median of {meta['reps']} repetitions, modes interleaved"
     )
-    header = (
-        f"{'dataset':<10} {'mode':<13} {'steps':>5} {'rows x len':>11} {'real tok/s':>10} {'train tok/s':>11} "
-        f"{'step ms':>8} {'pad frac':>8} {'peak MB':>8} {'vis/txt/bwd/opt %':>18} {'GFLOP/s':>8} {'exec/useful':>11}"
+    columns = [("dataset", "dataset"), ("mode", "mode"), ("steps", "steps"), ("row_shape", "rows x len")]
+    columns += [("real_tok_s", "real tok/s", ".0f"), ("trainable_tok_s", "train tok/s", ".0f")]
+    columns += [("step_ms", "step ms", ".1f"), ("padding_fraction", "pad frac", ".3f"), ("peak_mb", "peak MB", ".0f")]
+    columns += [("split", "vis/txt/bwd/opt %"), ("useful_gflop_s", "GFLOP/s", ".2f")]
+    columns += [("executed_over_useful_flops", "exec/useful", ".2f")]
+    fracs = ("vision_frac", "text_forward_frac", "backward_frac", "optimizer_frac")
+    shown = [r | {"split": "/".join(f"{100 * r[k]:.0f}" for k in fracs)} for r in rows]
+    harness.print_table(title, columns, shown)
+    title = (
+        f"\nPacked vs padded ({threads}): real tokens/s ratio within each repetition, median (min-max); "
+        "bar: >= 0.90 of ideal"
     )
-    print(header + "\n" + "-" * len(header))
-    for r in rows:
-        split = "/".join(
-            f"{100 * r[k]:.0f}" for k in ("vision_frac", "text_forward_frac", "backward_frac", "optimizer_frac")
-        )
-        peak = f"{r['peak_mb']:.0f}" if r["peak_mb"] is not None else "n/a"
-        print(
-            f"{r['dataset']:<10} {r['mode']:<13} {r['steps']:>5} {r['row_shape']:>11} {r['real_tok_s']:>10.0f} "
-            f"{r['trainable_tok_s']:>11.0f} {r['step_ms']:>8.1f} {r['padding_fraction']:>8.3f} {peak:>8} "
-            f"{split:>18} {r['useful_gflop_s']:>8.2f} {r['executed_over_useful_flops']:>11.2f}"
-        )
-    print(
-        f"\nPacked vs padded ({threads} thread{'s' if threads > 1 else ''}): real tokens/s ratio within each "
-        "repetition, median; bar: >= 0.90 of ideal"
-    )
-    header = f"{'dataset':<10} {'packed':<6} {'vs padded':<13} {'gain':>6} {'ideal':>6} {'of ideal':>8}  bar"
-    print(header + "\n" + "-" * len(header))
-    for r in rows:
-        for base, v in r.get("vs", {}).items():
-            ok = "met" if v["of_ideal"] >= 0.9 else "NOT met"
-            print(
-                f"{r['dataset']:<10} {r['mode']:<6} {base:<13} {v['gain']:>6.2f} {v['ideal']:>6.2f} "
-                f"{v['of_ideal']:>8.2f}  {ok}"
-            )
+    columns = [("dataset", "dataset"), ("mode", "packed"), ("base", "vs padded"), ("gain", "gain")]
+    columns += [("ideal", "ideal", ".2f"), ("of_ideal", "of ideal", ".2f"), ("bar", "bar")]
+    shown = [
+        {"dataset": r["dataset"], "mode": r["mode"], "base": base, "ideal": v["ideal"], "of_ideal": v["of_ideal"]}
+        | {"gain": harness.fmt_range({"median": v["gain"], "min": v["gain_range"][0], "max": v["gain_range"][1]})}
+        | {"bar": "met" if v["of_ideal"] >= 0.9 else "NOT met"}
+        for r in rows
+        for base, v in r.get("vs", {}).items()
+    ]
+    harness.print_table(title, columns, shown)
 
 
 def print_data(workloads: list[Workload]) -> list[dict]:
@@ -417,9 +385,6 @@ def main() -> None:
         pack_workload(w, pad_id)
     runner = Runner(cfg, sorted({m.label for w in workloads for m in w.modes}))
     meta = {
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
         "reps": args.reps,
         "slices": args.slices,
         "shapes_samples": args.shapes_samples,
@@ -428,7 +393,7 @@ def main() -> None:
     }
     tables = []
     for threads in [int(t) for t in args.threads.split(",")]:
-        torch.set_num_threads(threads)
+        harness.set_threads(threads)
         rows = []
         for w in workloads:
             rows += bench_workload(w, runner, args.reps, args.slices)
@@ -437,9 +402,7 @@ def main() -> None:
         print_tables(table["rows"], {**meta, "threads": table["threads"]})
     data = print_data(workloads)
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"meta": meta, "tables": tables, "data": data}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        harness.write_results("train_throughput", {"meta": meta, "tables": tables, "data": data}, path=args.out)
 
 
 if __name__ == "__main__":

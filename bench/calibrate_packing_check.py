@@ -22,13 +22,14 @@ pure-torch kernels (the only bf16 a CPU has). About 5 minutes per dtype for 16 s
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import random
 import sys
-import time
 from pathlib import Path
 
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' sample builders
@@ -142,29 +143,33 @@ def calibrate(dtype_name: str, seeds: int) -> dict:
 
 
 def print_table(dtype_name: str, ratios: dict) -> None:
-    print(f"\n{dtype_name}: ratio = leak / floor, min .. max over seeds (bound {RATIO_BOUND:g})")
-    print(f"{'case':<40}{'logits':>24}{'gradients':>24}   passes")
+    rows = []
     for case, r in ratios.items():
         passes = sum(max(a, b) <= RATIO_BOUND for a, b in zip(r["logits"], r["grad"], strict=True))
-        cells = [f"{min(v):10.4g} .. {max(v):10.4g}" for v in (r["logits"], r["grad"])]
-        print(f"{case:<40}{cells[0]:>24}{cells[1]:>24}   {passes}/{len(r['grad'])}")
+        cells = {k: f"{min(r[k]):10.4g} .. {max(r[k]):10.4g}" for k in ("logits", "grad")}
+        rows.append({"case": case, **cells, "passes": f"{passes}/{len(r['grad'])}"})
+    title = f"\n{dtype_name}: ratio = leak / floor, min .. max over seeds (bound {RATIO_BOUND:g})"
+    columns = [("case", "case"), ("logits", "logits"), ("grad", "gradients"), ("passes", "passes")]
+    harness.print_table(title, columns, rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=16)
     parser.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["bf16", "fp32"])
-    parser.add_argument("--out", type=Path, default=Path("bench/results/packing_check_calibration.json"))
+    parser.add_argument("--out", type=Path, help="JSON path (default packing_check_calibration.json in bench/results)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2 seeds, fp32, no JSON unless --out")
     args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.dtype = 2, ["fp32"]
     logging.disable(logging.WARNING)  # the fp32-kernel and fla shape warnings are expected here
-    started = time.time()
-    results = {name: calibrate(name, args.seeds) for name in args.dtype}
+    with harness.wall_clock() as meta:
+        results = {name: calibrate(name, args.seeds) for name in args.dtype}
     for name, ratios in results.items():
         print_table(name, ratios)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"bound": RATIO_BOUND, "seeds": args.seeds, "seconds": round(time.time() - started), **results}
-    args.out.write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"\nwrote {args.out}")
+    payload = {"bound": RATIO_BOUND, "seeds": args.seeds, "seconds": round(meta["wall_s"]), **results}
+    if not args.quick or args.out:
+        harness.write_results("packing_check_calibration", payload, path=args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
 import torch
 import torch.distributed as dist
 
@@ -70,7 +73,7 @@ from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.model.moe import is_moe_text_config
 from vlm_sft.trainer.metrics import ModuleTimer
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu_bench.json"
+RESULTS = harness.results_path("gpu_bench")
 DEFAULTS = {"pack_len": 8192, "samples": 600, "warmup": 3, "steps": 8}
 SMOKE_DEFAULTS = {"pack_len": 1024, "samples": 24, "warmup": 1, "steps": 2}
 """Sizes of a GPU run and of ``--smoke`` (CPU), each used where the command line leaves it unset."""
@@ -367,29 +370,25 @@ def _time_mfu_memory(r: dict) -> tuple[str, str, str]:
     return split, m, mem
 
 
+ROW_COLUMNS = [("backend", "backend"), ("kernels", "kernels"), ("model", "model"), ("tuning", "tune")]
+ROW_COLUMNS += [("mode", "mode"), ("rows_x_len", "rows x len"), ("real_tok_s", "real tok/s", ".0f")]
+ROW_COLUMNS += [("step_ms", "step ms", ".1f"), ("split", "vis/txt/bwd/opt ms"), ("useful_tflop_s", "TFLOP/s", ".1f")]
+ROW_COLUMNS += [("mfu_text", "MFU"), ("padding_fraction", "pad", ".2f"), ("mem_text", "mem GiB")]
+
+
 def format_rows(rows: list[dict]) -> str:
     """The results table (one line per backend x model x tuning x mode); ``bench/gpu_check.py`` prints it too."""
-    header = (
-        f"{'backend':<8} {'kernels':<29} {'model':<11} {'tune':<4} {'mode':<6} {'rows x len':>11} {'real tok/s':>10} "
-        f"{'step ms':>8} {'vis/txt/bwd/opt ms':>22} {'TFLOP/s':>8} {'MFU':>6} {'pad':>5} {'mem GiB':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        split, m, mem = _time_mfu_memory(r)
-        lines.append(
-            f"{r['backend']:<8} {r['kernels']:<29} {r.get('model', '0.8B'):<11} {r.get('tuning', 'full'):<4} "
-            f"{r['mode']:<6} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} {r['step_ms']:>8.1f} {split:>22} "
-            f"{r['useful_tflop_s']:>8.1f} {m:>6} {r['padding_fraction']:>5.2f} {mem:>8}"
-        )
-    return "\n".join(lines)
+    return harness.format_table(None, ROW_COLUMNS, [_shown(r) | {"model": "0.8B", "tuning": "full"} | r for r in rows])
+
+
+def _shown(r: dict) -> dict:
+    split, m, mem = _time_mfu_memory(r)
+    return {"split": split, "mfu_text": m, "mem_text": mem}
 
 
 def write_json(targets: list[Path], payload: dict, *, quiet: bool = False) -> None:
     for target in targets:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(payload, indent=2) + "\n")
-        if not quiet:
-            print(f"wrote {target}")
+        harness.write_results("gpu_bench", payload, path=target, quiet=quiet)
 
 
 # ------------------------------------------------------------------------------------------------ context parallelism
@@ -460,18 +459,10 @@ def cp_worker(args: argparse.Namespace) -> None:
 
 def format_cp_rows(rows: list[dict]) -> str:
     """The cp case's table: one line per (cp, rank); tokens/s of the group (the whole row) and per GPU."""
-    header = (
-        f"{'cp':>2} {'rank':>4} {'kernels':<29} {'rows x len':>11} {'real tok/s':>10} {'tok/s/GPU':>9} {'step ms':>8} "
-        f"{'vis/txt/bwd/opt ms':>22} {'MFU':>6} {'mem GiB':>8}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        split, m, mem = _time_mfu_memory(r)
-        lines.append(
-            f"{r['cp']:>2} {r['rank']:>4} {r['kernels']:<29} {r['rows_x_len']:>11} {r['real_tok_s']:>10.0f} "
-            f"{r['real_tok_s_per_gpu']:>9.0f} {r['step_ms']:>8.1f} {split:>22} {m:>6} {mem:>8}"
-        )
-    return "\n".join(lines)
+    columns = [("cp", "cp"), ("rank", "rank"), ("kernels", "kernels"), ("rows_x_len", "rows x len")]
+    columns += [("real_tok_s", "real tok/s", ".0f"), ("real_tok_s_per_gpu", "tok/s/GPU", ".0f")]
+    columns += [("step_ms", "step ms", ".1f"), ("split", "vis/txt/bwd/opt ms"), ("mfu_text", "MFU")]
+    return harness.format_table(None, [*columns, ("mem_text", "mem GiB")], [r | _shown(r) for r in rows])
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ recorded by the check, which then goes on with the next part. Each command write
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import platform
@@ -30,9 +29,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness and gpu_bench, beside this file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_bench, beside this file
+import harness  # first: the CPU environment, before torch is imported
+
+# isort: split
+import torch
 
 DISTRIBUTIONS = (
     *("torch", "transformers", "triton", "flash-linear-attention", "fla-core", "flash-attn", "causal-conv1d"),
@@ -40,13 +42,6 @@ DISTRIBUTIONS = (
 )
 """Packages whose versions the check records (None: not installed): the kernels' and the ones a GPU image may lack
 or hold in another version (see the wheel list in bench/README.md)."""
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def environment() -> dict:
@@ -57,7 +52,7 @@ def environment() -> dict:
     chosen = resolve_backends(device)
     return {
         "python": platform.python_version(),
-        "versions": {dist: _version(dist) for dist in DISTRIBUTIONS},
+        "versions": {dist: harness.package_version(dist) for dist in DISTRIBUTIONS},
         "cuda_available": cuda,
         "cuda": torch.version.cuda,
         "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({os.cpu_count()} cores)",
