@@ -21,8 +21,11 @@ mostly imports, and the smoke runs in the test suite).
    ``Qwen3_5ForConditionalGeneration``, which score the same probe (``gpu_check_worker.py reload``).
 3. Throughput and MFU: ``bench/gpu_bench.py`` (packed vs padded, fastest vs pure-torch kernels, a LoRA row, an MoE
    row of the Qwen3.5-35B-A3B widths on 4 layers whose MFU counts the active experts, peak memory).
+4. Ours vs what users pick instead: ``bench/bench_vs_transformers.py --device cuda`` (the 0.8B shape on 4 layers,
+   bf16 autocast; transformers with its fla kernels and its best attention, padded random and length-grouped
+   batches; ours packed with our GPU backends), last, so it never takes time from the parts above.
 
-Seven files go to ``--out`` (``OUT_FILES``): ``gpu_check.json`` (every figure, the runs' metrics records and packing
+Eight files go to ``--out`` (``OUT_FILES``): ``gpu_check.json`` (every figure, the runs' metrics records and packing
 self-check reports included), ``summary.txt`` (the table printed at the end) and one log per part; by default
 ``$OUT/gpu_check/`` when ``OUT`` is set, else ``bench/results/gpu_check/``; ``--cpu-smoke`` uses a new temporary
 folder unless ``--out`` is given, never ``bench/results``. Models, checkpoints and data (about 25 GB for the 0.8B
@@ -50,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from gpu_check_report import summary_table
-from gpu_check_run import BENCH, REPO, WORK_FOLDERS, Budget, Dirs, Plan, child_env, make_plan, run_worker
+from gpu_check_run import BENCH, REPO, VS_BENCH, WORK_FOLDERS, Budget, Dirs, Plan, child_env, make_plan, run_worker
 from gpu_check_run import run_logged as run_logged  # re-exported: tests/test_gpu_check.py uses gpu_check.run_logged
 from gpu_check_trainer import RESUME_RTOL, part_train
 from gpu_check_trainer import compare_resume as compare_resume  # re-exported for tests/test_gpu_check.py
@@ -63,8 +66,9 @@ OUT_FILES = (
     "train.log",
     "resume.log",
     "gpu_bench.log",
+    "vs_transformers.log",
 )
-"""Everything the check writes under ``--out``: 7 files, since a GPU session brings back at most 8 from ``$OUT``.
+"""Everything the check writes under ``--out``: 8 files, since a GPU session brings back at most 8 from ``$OUT``.
 ``worker.log`` holds the ``gpu_check_worker.py`` parts (environment, random checkpoint, reload), one after another;
 the runs' ``metrics.jsonl`` records and packing self-check reports are inside ``gpu_check.json``."""
 
@@ -101,6 +105,19 @@ def part_bench(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
     return res
 
 
+def part_vs_transformers(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
+    """``bench/bench_vs_transformers.py``: ours (packed) vs transformers' own model with padded batches; its table and
+    per-workload figures are read in."""
+    target = dirs.scratch("vs_transformers.json")
+    cmd = [sys.executable, str(VS_BENCH), *plan.vs_args, "--out", str(target)]
+    timeout = budget.timeout(plan.caps["vs"])
+    res = run_logged(cmd, dirs.out / "vs_transformers.log", timeout, child_env(drop=("OUT",)))
+    if target.is_file():
+        payload = json.loads(target.read_text())
+        res |= {"table": payload["table"], "workloads": payload["workloads"]}
+    return res
+
+
 def verdicts(report: dict) -> dict[str, bool]:
     t = report["trainer"]
     return {
@@ -110,6 +127,7 @@ def verdicts(report: dict) -> dict[str, bool]:
         "resume": bool(t.get("resume", {}).get("ok")) and bool(t.get("resume", {}).get("comparison", {}).get("ok")),
         "reload": bool(t.get("reload", {}).get("ok")),
         "bench": report["bench"]["status"] == "ok" and bool(report["bench"].get("rows")),
+        "vs": report["vs"]["status"] == "ok" and bool(report["vs"].get("workloads")),
     }
 
 
@@ -136,8 +154,13 @@ def _bench(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
     return part_bench(plan, dirs, budget)
 
 
-def _pytest_then_bench(plan: Plan, dirs: Dirs, budget: Budget) -> tuple[dict, dict]:
-    return _pytest(plan, dirs, budget), _bench(plan, dirs, budget)
+def _vs(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
+    print("== ours vs transformers' model (bench/bench_vs_transformers.py)", flush=True)
+    return part_vs_transformers(plan, dirs, budget)
+
+
+def _pytest_then_bench(plan: Plan, dirs: Dirs, budget: Budget) -> tuple[dict, dict, dict]:
+    return _pytest(plan, dirs, budget), _bench(plan, dirs, budget), _vs(plan, dirs, budget)
 
 
 def run_check(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
@@ -156,11 +179,12 @@ def run_check(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
         with ThreadPoolExecutor(max_workers=1) as side:
             independent = side.submit(_pytest_then_bench, plan, dirs, budget)
             report["trainer"] = _trainer(plan, dirs, budget)
-            report["pytest"], report["bench"] = independent.result()
+            report["pytest"], report["bench"], report["vs"] = independent.result()
     else:  # on the GPU one part at a time: the throughput figures must not share the device
         report["pytest"] = _pytest(plan, dirs, budget)
         report["trainer"] = _trainer(plan, dirs, budget)
         report["bench"] = _bench(plan, dirs, budget)
+        report["vs"] = _vs(plan, dirs, budget)
     report["wall_s"] = round(time.perf_counter() - start, 1)
     report["verdicts"] = verdicts(report)
     report["ok"] = all(report["verdicts"].values())

@@ -60,9 +60,22 @@ def _reload_line(rl: dict) -> str:
     )
 
 
+def _vs_line(v: dict) -> str:
+    """Ours packed / transformers padded (random batches) and / length-grouped, per workload (medians)."""
+    if not v.get("workloads"):
+        return v.get("reason", "no figures: see vs_transformers.log")
+    parts = []
+    for w in v["workloads"]:
+        q = w["ours_packed_over"]
+        parts.append(
+            f"{w['workload']} x{q['hf padded']['median']:.2f} padded, x{q['hf grouped']['median']:.2f} grouped"
+        )
+    return "ours packed / transformers: " + "; ".join(parts)
+
+
 def _part_lines(report: dict) -> list[tuple[str, str, dict, str]]:
     """(name, verdict key, part, result text) per line of the table."""
-    p, t, b = report["pytest"], report["trainer"], report["bench"]
+    p, t, b, v = report["pytest"], report["trainer"], report["bench"], report.get("vs", {})
     m, tr, rs, rl = (t.get(k, {}) for k in ("model", "train", "resume", "reload"))
     pytest_text = (
         f"{p.get('passed', 0)} passed, {p.get('failures', 0)} failed, {p.get('errors', 0)} errors, "
@@ -84,6 +97,7 @@ def _part_lines(report: dict) -> list[tuple[str, str, dict, str]]:
         ("", "resume", {}, _resume_detail(rs["comparison"]) if "comparison" in rs else ""),
         ("reload final/", "reload", rl, _reload_line(rl)),
         ("throughput (gpu_bench)", "bench", b, bench_text),
+        ("ours vs transformers", "vs", v, _vs_line(v)),
     ]
 
 
@@ -114,4 +128,6 @@ def summary_table(report: dict) -> str:
         from gpu_bench import format_rows  # beside this file; imports torch, so only once the parts are done
 
         lines += ["", f"gpu_bench.py, {b.get('pack_len')}-token packs:", format_rows(b["rows"])]
+    if report.get("vs", {}).get("table"):
+        lines += ["", report["vs"]["table"]]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ CONFIG = REPO / "configs" / "gpu_check.toml"
 TRAIN = REPO / "vlm_sft" / "train.py"
 WORKER = REPO / "bench" / "gpu_check_worker.py"
 BENCH = REPO / "bench" / "gpu_bench.py"
+VS_BENCH = REPO / "bench" / "bench_vs_transformers.py"
 
 WORK_FOLDERS = ("model", "run", "resumed", "shapes", "scratch")
 """What the check writes under ``--work``: the random checkpoint, the two runs, the shapes data, the parts' raw
@@ -53,6 +54,8 @@ class Plan:
     """The step the resumed run starts from: the first ``train.save_every``."""
     bench_args: list[str]
     """Arguments of ``bench/gpu_bench.py``."""
+    vs_args: list[str]
+    """Arguments of ``bench/bench_vs_transformers.py`` (ours vs transformers' model, side by side)."""
     caps: dict[str, float]
     """Time limit per part, seconds (each also bounded by what is left of the budget)."""
 
@@ -65,11 +68,14 @@ def make_plan(smoke: bool, bench_extra: list[str]) -> Plan:
         raise SystemExit(f"{CONFIG}: the check needs 0 < train.save_every ({save}) < train.max_steps ({steps})")
     if smoke:  # on a CPU "auto" is the pure-torch kernels: one backend; each row's first step costs ~10 s there
         bench = shlex.split("--smoke --backends auto --pack-len 256 --samples 4 --warmup 1 --steps 1")
-        caps = {"env": 60, "pytest": 60, "model": 60, "train": 120, "resume": 90, "reload": 60, "bench": 90}
+        vs = shlex.split("--device cpu --threads 1 --workloads shapes --shapes-samples 64 --reps 1 --slices 1")
+        caps = {"env": 60, "pytest": 60, "model": 60, "train": 120, "resume": 90, "reload": 60, "bench": 90, "vs": 60}
     else:
         bench = ["--backends", "auto,torch"]
+        vs = shlex.split("--device cuda --model 0.8b --layers 4 --reps 3 --slices 2")
         caps = {"env": 60, "pytest": 150, "model": 90, "train": 240, "resume": 150, "reload": 90, "bench": 180}
-    return Plan(smoke, list(overrides), steps, save, [*bench, *bench_extra], caps)
+        caps["vs"] = 120
+    return Plan(smoke, list(overrides), steps, save, [*bench, *bench_extra], vs, caps)
 
 
 @dataclass(frozen=True)
