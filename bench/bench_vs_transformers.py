@@ -1,0 +1,365 @@
+"""Ours (packed) vs what a user would pick instead: transformers' own Qwen3.5 with padded batches.
+
+    python bench/bench_vs_transformers.py [--reps 5] [--threads 2] [--quick] [--device cpu|cuda]
+
+The question a user asks: how much faster is fine-tuning with vlm-sft than with transformers'
+``Qwen3_5ForConditionalGeneration`` and padded batches (what TRL gives a VLM user), random or length-grouped?
+
+Every contender trains the same model from the same weights (ours built from ``configs/debug.toml``, transformers'
+model loading our state dict: the parameter names are the same), on the same samples, with the same samples in every
+optimizer step, the same loss (sum of token losses / trainable tokens of the step), the same AdamW groups
+(``build_optimizer``), clipping at 1.0. Contenders:
+
+- ``ours packed``: each step's samples back to back in one row (``seq_lens`` boundaries, no padding);
+- ``hf padded``: transformers on the same step's samples as a right-padded batch (random batches);
+- ``ours padded``: our model on that same padded batch (what packing buys with our model on both sides);
+- ``hf grouped``: transformers with length-grouped batches (``group_by_length``: megabatches of 50 batches of a
+  random order, each sorted by length, then cut into batches), the strongest padded baseline.
+
+Before timing, the first step's loss is checked equal across ``ours packed``, ``hf padded`` and ``ours padded``
+(relative 1e-5 in float32): the contenders compute the same thing. Each repetition trains every contender over all its
+steps from the initial weights, interleaved slice by slice with the order rotating; a ratio is taken within each
+repetition, then the median and the range over repetitions. Workloads: the default run's ``shapes`` data (32 samples
+per step) and ``long_tail`` (``SyntheticSource``, truncated to 2048 tokens, 0-4 images, 8 samples per step). The ideal
+gain is the padded batches' token slots / real tokens (all padding removed at no cost). CPU runs set
+``OMP_WAIT_POLICY=PASSIVE`` before torch is imported (busy-waiting OpenMP threads made 2-thread steps 10-40x slower
+under load) and ``--threads`` threads.
+"""
+
+from __future__ import annotations
+
+import harness  # sets OMP_WAIT_POLICY before torch is imported
+
+# isort: split
+
+import argparse
+import contextlib
+import importlib.util
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import Qwen3_5ForConditionalGeneration
+
+from vlm_sft.config import load_config
+from vlm_sft.data.batch import PackedBatch
+from vlm_sft.data.collate import collate
+from vlm_sft.data.pack import Pack
+from vlm_sft.data.shift import ShiftedSample, shift_sample
+from vlm_sft.data.sources import render_fn
+from vlm_sft.data.synthetic import SyntheticSource
+from vlm_sft.data.truncate import truncate_sample
+from vlm_sft.flops import qwen3_5_0_8b_config
+from vlm_sft.model import build_model, tiny_qwen3_5_config, varlen
+from vlm_sft.trainer import build
+from vlm_sft.trainer.optim import build_optimizer
+
+RESULTS_NAME = "vs_transformers"
+CONTENDERS = ("ours packed", "hf padded", "ours padded", "hf grouped")
+GROUP_MEGABATCH = 50
+"""transformers' ``LengthGroupedSampler`` sorts megabatches of 50 batches by length."""
+LOSS_PARITY = {"cpu": 1e-5, "cuda": 2e-2}
+"""Relative bound on the first-step losses: float32 on the CPU; bf16 autocast and other kernels on CUDA."""
+
+
+@dataclass
+class Workload:
+    name: str
+    samples: list[ShiftedSample]
+    per_step: int
+    """Samples per optimizer step."""
+
+
+def shapes_samples(cfg, n: int) -> list[ShiftedSample]:
+    cfg = cfg.model_copy(deep=True)
+    cfg.data.shapes.root = str(Path(tempfile.gettempdir()) / "vlm-sft-bench-shapes")
+    cfg.data.shapes.num_train, cfg.data.shapes.num_eval = n, 0
+    renderer = build.build_renderer(cfg, build.build_processor(cfg))
+    fn = render_fn(build.load_sources(cfg).train, renderer)
+    return [shift_sample(truncate_sample(fn(i), cfg.data.seq_len)) for i in range(n)]
+
+
+def long_tail_samples(n: int, seq_len: int = 2048) -> list[ShiftedSample]:
+    source = SyntheticSource(n, distribution="long_tail", seed=0)
+    return [shift_sample(truncate_sample(source(i), seq_len, policy="truncate")) for i in range(n)]
+
+
+def random_steps(n: int, per_step: int, seed: int = 0) -> list[list[int]]:
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return [order[i : i + per_step] for i in range(0, n, per_step)]
+
+
+def grouped_steps(samples: list[ShiftedSample], per_step: int, seed: int = 0) -> list[list[int]]:
+    """``group_by_length``: a random order cut into megabatches, each sorted by length (longest first), then cut into
+    batches (transformers' ``LengthGroupedSampler``)."""
+    order = [i for step in random_steps(len(samples), per_step, seed) for i in step]
+    mega = GROUP_MEGABATCH * per_step
+    out = []
+    for m in range(0, len(order), mega):
+        chunk = sorted(order[m : m + mega], key=lambda i: -len(samples[i]))
+        out += [chunk[i : i + per_step] for i in range(0, len(chunk), per_step)]
+    return out
+
+
+def packed_batch(samples: list[ShiftedSample]) -> PackedBatch:
+    """The step's samples back to back in one row of exactly their tokens."""
+    return collate([Pack(rows=(tuple(samples),), row_len=sum(len(s) for s in samples))])
+
+
+def padded_batch(samples: list[ShiftedSample], multiple: int = 8) -> PackedBatch:
+    """One sample per row, right-padded to the longest rounded up to ``multiple`` (a padding collator's layout)."""
+    longest = max(len(s) for s in samples)
+    return collate([Pack(rows=tuple((s,) for s in samples), row_len=-(-longest // multiple) * multiple, stacked=True)])
+
+
+class Ours:
+    """Our model trained as the trainer does: loss sum / trainable tokens, backward, clip, AdamW."""
+
+    def __init__(self, model: torch.nn.Module, cfg) -> None:
+        self.model, self.cfg = model, cfg
+
+    def loss(self, batch: PackedBatch) -> torch.Tensor:
+        out = self.model(**batch.model_kwargs())
+        return out.loss_sum / max(batch.num_trainable_tokens, 1)
+
+
+class Theirs:
+    """transformers' model on a padded batch: its logits, the same summed cross-entropy / trainable tokens."""
+
+    def __init__(self, model: torch.nn.Module, cfg) -> None:
+        self.model, self.cfg = model, cfg
+
+    def loss(self, batch: PackedBatch) -> torch.Tensor:
+        kwargs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask.long()}
+        kwargs["mm_token_type_ids"] = batch.mm_token_type_ids
+        if batch.pixel_values is not None:
+            kwargs.update(pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw)
+        logits = self.model(**kwargs).logits
+        mask = batch.loss_mask
+        loss = torch.nn.functional.cross_entropy(logits[mask].float(), batch.target_ids[mask], reduction="sum")
+        return loss / max(batch.num_trainable_tokens, 1)
+
+
+class Trainee:
+    """One contender: its model (ours or theirs), its optimizer, its batches."""
+
+    def __init__(self, runner, batches: list[PackedBatch], init_state: dict) -> None:
+        self.runner, self.batches, self.init_state = runner, batches, init_state
+        self.reset()
+
+    def reset(self) -> None:
+        self.runner.model.load_state_dict(self.init_state)
+        self.runner.model.train()
+        self.optimizer = build_optimizer(self.runner.model, self.runner.cfg.train)
+
+    def train(self, batches: list[PackedBatch], device: torch.device) -> float:
+        """Seconds for these steps (forward, backward, clip, AdamW), synchronised on CUDA."""
+        for cache in (varlen.grouped_chunk_layout, varlen.bucket_layout, varlen._position_in_segment):
+            cache.cache_clear()  # a packed row pays its layout once, as in training
+        _sync(device)
+        start = time.perf_counter()
+        params = [p for p in self.runner.model.parameters() if p.requires_grad]
+        for batch in batches:
+            with autocast(device):
+                loss = self.runner.loss(batch.to(device))
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        return time.perf_counter() - start
+
+
+def autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """bf16 autocast on CUDA (fp32 master weights, as the trainer runs a GPU); nothing on the CPU (float32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def model_pair(cfg, args, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.nn.Module]]:
+    """Our model (random init, the run's seed) and a maker of more models of its config on ``device``: the default
+    run's tiny model, or the real 0.8B shape (``flops.qwen3_5_0_8b_config``, ``--layers`` of its 24, vision trainable,
+    the tiny tokenizer's special-token ids) for a GPU. Weights stay float32 (bf16 autocast on CUDA, as the trainer)."""
+    torch.manual_seed(cfg.train.seed)
+    if args.model == "tiny":
+        return build.build_model(cfg, device), lambda: build.build_model(cfg, device)
+    config = qwen3_5_0_8b_config()
+    tiny = tiny_qwen3_5_config()  # the data comes from the tiny tokenizer: its special-token ids
+    for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+        setattr(config, key, getattr(tiny, key))
+    config.text_config.num_hidden_layers = args.layers
+    config.text_config.layer_types = config.text_config.layer_types[: args.layers]
+
+    def make() -> torch.nn.Module:
+        return build_model(config, device=device, freeze_vision=False)
+
+    return make(), make
+
+
+def build_trainees(cfg, args, w: Workload, device: torch.device) -> dict[str, Trainee]:
+    ours_model, make_ours = model_pair(cfg, args, device)
+    init = {k: v.detach().clone() for k, v in ours_model.state_dict().items()}
+    # On CUDA transformers picks flash-linear-attention and causal-conv1d itself when installed; attention: its best.
+    best_attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    theirs_kwargs = {"attn_implementation": best_attention} if device.type == "cuda" else {}
+    random_ids = random_steps(len(w.samples), w.per_step)
+    grouped_ids = grouped_steps(w.samples, w.per_step)
+    pick = [[w.samples[i] for i in ids] for ids in random_ids]
+    batches = {
+        "ours packed": [packed_batch(s) for s in pick],
+        "hf padded": [padded_batch(s) for s in pick],
+        "ours padded": [padded_batch(s) for s in pick],
+        "hf grouped": [padded_batch([w.samples[i] for i in ids]) for ids in grouped_ids],
+    }
+    out = {}
+    for name in CONTENDERS:
+        if name.startswith("ours"):
+            runner = Ours(ours_model if name == "ours packed" else make_ours(), cfg)
+        else:
+            model = Qwen3_5ForConditionalGeneration(ours_model.config, **theirs_kwargs).to(device)
+            runner = Theirs(model, cfg)
+        out[name] = Trainee(runner, batches[name], init)
+    return out
+
+
+def check_parity(trainees: dict[str, Trainee], device: torch.device) -> dict[str, float]:
+    """The first step's loss of every random-batch contender (same samples), before any update."""
+    losses = {}
+    with torch.no_grad():
+        for name in ("ours packed", "hf padded", "ours padded"):
+            with autocast(device):
+                losses[name] = float(trainees[name].runner.loss(trainees[name].batches[0].to(device)))
+    ref = losses["hf padded"]
+    worst = max(abs(v - ref) / abs(ref) for v in losses.values())
+    bound = LOSS_PARITY[device.type]
+    if worst > bound:
+        raise RuntimeError(f"first-step losses differ by {worst:.2e} relative (> {bound}): {losses}")
+    return losses
+
+
+def time_workload(trainees: dict[str, Trainee], reps: int, n_slices: int, device: torch.device) -> dict[str, list]:
+    """Per contender, the seconds of each repetition (all its steps), contenders interleaved slice by slice."""
+    for t in trainees.values():  # warm-up: first-call costs hit no timed pass
+        t.train(t.batches[:1], device)
+    seconds: dict[str, list[float]] = {name: [] for name in trainees}
+    names = list(trainees)
+    for rep in range(reps):
+        for t in trainees.values():
+            t.reset()
+        parts = {name: harness.slices(t.batches, n_slices) for name, t in trainees.items()}
+        total = dict.fromkeys(names, 0.0)
+        for k in range(n_slices):
+            for name in harness.rotation(names, rep + k):
+                if parts[name][k]:
+                    total[name] += trainees[name].train(parts[name][k], device)
+        for name in names:
+            seconds[name].append(total[name])
+        print(f"  rep {rep + 1}/{reps}: " + "  ".join(f"{n} {s:.2f} s" for n, s in total.items()), flush=True)
+    return seconds
+
+
+def summarize(w: Workload, trainees: dict[str, Trainee], seconds: dict[str, list[float]]) -> dict:
+    trainable = sum(b.num_trainable_tokens for b in trainees["ours packed"].batches)
+    padded = trainees["hf padded"].batches
+    ideal = sum(b.input_ids.numel() for b in padded) / sum(b.num_real_tokens for b in padded)
+    grouped = trainees["hf grouped"].batches
+    ideal_grouped = sum(b.input_ids.numel() for b in grouped) / sum(b.num_real_tokens for b in grouped)
+    ours = seconds["ours packed"]
+    ratios = {name: harness.ratio_stats(seconds[name], ours) for name in CONTENDERS[1:]}
+    return {
+        "workload": w.name,
+        "samples": len(w.samples),
+        "samples_per_step": w.per_step,
+        "steps": len(padded),
+        "trainable_tokens": trainable,
+        "ideal_gain_random": ideal,
+        "ideal_gain_grouped": ideal_grouped,
+        "trainable_tok_s": {n: trainable / statistics.median(s) for n, s in seconds.items()},
+        "ours_packed_over": ratios,
+        "of_ideal_vs_hf_padded": ratios["hf padded"]["median"] / ideal,
+        "seconds": seconds,
+    }
+
+
+def table_rows(rows: list[dict]) -> list[dict]:
+    """One line per (workload, contender): its tokens/s, ours / it (median, range), the ideal gain and its share."""
+    out = []
+    for r in rows:
+        tok = r["trainable_tok_s"]
+        out.append({"workload": r["workload"], "contender": "ours packed", "tok_s": tok["ours packed"]})
+        for name, q in r["ours_packed_over"].items():
+            ideal = r["ideal_gain_grouped"] if name == "hf grouped" else r["ideal_gain_random"]
+            line = {"workload": "", "contender": name, "tok_s": tok[name], "ratio": harness.fmt_range(q)}
+            if name != "ours padded":
+                line |= {"ideal": ideal, "of_ideal": q["median"] / ideal}
+            out.append(line)
+    return out
+
+
+COLUMNS = [
+    ("workload", "workload"),
+    ("contender", "contender"),
+    ("tok_s", "trainable tok/s", ".0f"),
+    ("ratio", "ours packed / this (range)"),
+    ("ideal", "ideal gain", ".2f"),
+    ("of_ideal", "of ideal", ".2f"),
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--slices", type=int, default=3, help="interleaving slices per repetition")
+    p.add_argument("--shapes-samples", type=int, default=640)
+    p.add_argument("--long-samples", type=int, default=48)
+    p.add_argument("--workloads", default="shapes,long_tail")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--model", default="tiny", choices=["tiny", "0.8b"], help="the default run's model or the 0.8B shape"
+    )
+    p.add_argument("--layers", type=int, default=24, help="text layers of the 0.8B shape (a multiple of 4)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 repetitions of small workloads")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/vs_transformers.json)")
+    args = p.parse_args()
+    if args.quick:
+        args.reps, args.shapes_samples, args.long_samples, args.slices = 2, 128, 16, 2
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        harness.set_threads(args.threads)
+    cfg = load_config(harness.REPO / "configs" / "debug.toml", ["--train.device", args.device])
+    makers = {
+        "shapes": lambda: Workload("shapes", shapes_samples(cfg, args.shapes_samples), 32),
+        "long_tail": lambda: Workload("long_tail", long_tail_samples(args.long_samples), 8),
+    }
+    rows = []
+    for name in args.workloads.split(","):
+        w = makers[name]()
+        trainees = build_trainees(cfg, args, w, device)
+        losses = check_parity(trainees, device)
+        print(f"{name}: {len(w.samples)} samples, first-step losses equal: {losses}", flush=True)
+        rows.append(summarize(w, trainees, time_workload(trainees, args.reps, args.slices, device)))
+        rows[-1]["first_step_loss"] = losses
+    where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name()
+    kind = "tiny model, float32" if args.model == "tiny" else f"0.8B shape ({args.layers} layers), bf16 autocast"
+    title = f"Ours (packed) vs transformers' Qwen3.5, trainable tokens/s, {kind}, {args.device} ({where})"
+    table = harness.print_table(title, COLUMNS, table_rows(rows))
+    meta = {"threads": torch.get_num_threads(), "device": args.device, "reps": args.reps, "slices": args.slices}
+    meta |= {"model": args.model, "layers": args.layers if args.model != "tiny" else None}
+    harness.write_results(RESULTS_NAME, {"meta": meta, "table": table, "workloads": rows}, path=args.out)
+
+
+if __name__ == "__main__":
+    main()
