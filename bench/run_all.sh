@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json, then
 # bench/summarize.py collects the headline figures that bench/README.md's tables cite into bench/results/summary.json.
-# About 65 minutes on 2 cores (big-checkpoint load / save / resume ~12, the packing self-check calibration ~8, the
-# data workers ~6, LoRA vs full ~5, context parallelism ~4); bench_loss_memory.py alone needs ~12 GB of memory and
-# ~10 minutes (skip it with SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine (its
+# About 75 minutes on 2 cores (big-checkpoint load / save / resume ~12, ours vs transformers ~10, the packing
+# self-check calibration ~8, the data workers ~6, LoRA vs full ~5, context parallelism ~4); bench_loss_memory.py
+# alone needs ~12 GB of memory and ~10 minutes (skip it with SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine (its
 # gpu_check/gpu_check.json is summarized too when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,7 @@ if [[ -z "${SKIP_LOSS_MEMORY:-}" ]]; then
   "$PY" bench/bench_loss_memory.py
 fi
 "$PY" bench/bench_train_throughput.py
+"$PY" bench/bench_vs_transformers.py
 "$PY" bench/bench_lora.py
 "$PY" bench/bench_moe.py
 "$PY" bench/bench_cp.py

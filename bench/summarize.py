@@ -47,6 +47,18 @@ def _train_throughput(d: dict) -> dict:
     return out
 
 
+@figures("vs_transformers", "vs_transformers.json", "workloads[].ours_packed_over, workloads[].ideal_gain_*")
+def _vs_transformers(d: dict) -> dict:
+    out = {}
+    for w in d["workloads"]:
+        for name, q in w["ours_packed_over"].items():
+            out[f"{w['workload']} ours packed / {name}"] = q["median"]
+            out[f"{w['workload']} ours packed / {name} by CPU time"] = w["ours_packed_over_cpu_time"][name]["median"]
+        out[f"{w['workload']} ideal gain vs padded random"] = w["ideal_gain_random"]
+        out[f"{w['workload']} of ideal vs hf padded"] = w["of_ideal_vs_hf_padded"]
+    return out
+
+
 @figures("bench_linear_attn", "bench_linear_attn.json", "rows[].b_over_a_fwd_bwd")
 def _linear_attn(d: dict) -> dict:
     return {f"{r['case']}: {r['b']} / {r['a']} fwd+bwd": r["b_over_a_fwd_bwd"] for r in d["rows"]}
