@@ -93,14 +93,19 @@ def part_pytest(dirs: Dirs, budget: Budget, cap: float) -> dict:
     return res
 
 
+def run_bench_script(script: Path, args: list[str], name: str, cap: float, dirs: Dirs, budget: Budget) -> dict:
+    """Run a bench script with ``--out`` in the scratch folder and its log in ``--out``; its JSON under ``payload``
+    when it wrote one (a script that rewrites it as it goes leaves what it did before a time limit)."""
+    target = dirs.scratch(f"{name}.json")
+    cmd = [sys.executable, str(script), *args, "--out", str(target)]
+    res = run_logged(cmd, dirs.out / f"{name}.log", budget.timeout(cap), child_env(drop=("OUT",)))
+    return res | ({"payload": json.loads(target.read_text())} if target.is_file() else {})
+
+
 def part_bench(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
     """``bench/gpu_bench.py``; its JSON (rewritten after each row, so a time limit keeps the rows done) is read in."""
-    target = dirs.scratch("gpu_bench.json")
-    cmd = [sys.executable, str(BENCH), *plan.bench_args, "--out", str(target)]
-    timeout = budget.timeout(plan.caps["bench"])
-    res = run_logged(cmd, dirs.out / "gpu_bench.log", timeout, child_env(drop=("OUT",)))
-    if target.is_file():
-        payload = json.loads(target.read_text())
+    res = run_bench_script(BENCH, plan.bench_args, "gpu_bench", plan.caps["bench"], dirs, budget)
+    if payload := res.pop("payload", None):
         res |= {"complete": payload.get("complete"), "pack_len": payload.get("pack_len"), "rows": payload["rows"]}
     return res
 
@@ -108,12 +113,8 @@ def part_bench(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
 def part_vs_transformers(plan: Plan, dirs: Dirs, budget: Budget) -> dict:
     """``bench/bench_vs_transformers.py``: ours (packed) vs transformers' own model with padded batches; its table and
     per-workload figures are read in."""
-    target = dirs.scratch("vs_transformers.json")
-    cmd = [sys.executable, str(VS_BENCH), *plan.vs_args, "--out", str(target)]
-    timeout = budget.timeout(plan.caps["vs"])
-    res = run_logged(cmd, dirs.out / "vs_transformers.log", timeout, child_env(drop=("OUT",)))
-    if target.is_file():
-        payload = json.loads(target.read_text())
+    res = run_bench_script(VS_BENCH, plan.vs_args, "vs_transformers", plan.caps["vs"], dirs, budget)
+    if payload := res.pop("payload", None):
         res |= {"table": payload["table"], "workloads": payload["workloads"]}
     return res
 
