@@ -111,13 +111,13 @@ def test_readme_override_example_loads_and_warms_up_for_its_fraction(caplog):
     assert lrs[0] == pytest.approx(peak / 2) and lrs[-1] < peak
 
 
-def test_debug_toml_keeps_its_50_warmup_steps_at_600():
+def test_debug_toml_keeps_its_75_warmup_steps_at_900():
     cfg = load_config("configs/debug.toml")
-    assert cfg.train.max_steps == 600 and cfg.train.warmup_steps is None
-    assert _warmup_length(_lrs(cfg, 600), cfg.train.lr) == 50
+    assert cfg.train.max_steps == 900 and cfg.train.warmup_steps is None
+    assert _warmup_length(_lrs(cfg, 900), cfg.train.lr) == 75
 
 
-@pytest.mark.parametrize(("name", "warmup"), [("debug.toml", 50), ("gpu_check.toml", 5), ("qwen3_5_0_8b.toml", 100)])
+@pytest.mark.parametrize(("name", "warmup"), [("debug.toml", 75), ("gpu_check.toml", 5), ("qwen3_5_0_8b.toml", 100)])
 def test_every_shipped_config_keeps_its_warmup(name, warmup):
     cfg = load_config(REPO_ROOT / "configs" / name)
     assert _warmup_length(_lrs(cfg, cfg.train.max_steps), cfg.train.lr) == warmup

@@ -69,6 +69,16 @@ def test_schedule_warmup_then_cosine_to_floor():
     assert all(lr_factor(s, **kw) > 0 for s in range(200)) and not math.isnan(lr_factor(500, **kw))
 
 
+def test_schedule_warmup_stable_decay():
+    kw = {"warmup_steps": 10, "total_steps": 110, "schedule": "wsd", "min_lr_ratio": 0.1, "decay_fraction": 0.2}
+    assert lr_factor(0, **kw) == pytest.approx(0.1) and lr_factor(9, **kw) == pytest.approx(1.0)
+    assert all(lr_factor(s, **kw) == 1.0 for s in range(10, 88))  # the peak until the last 22 steps
+    assert lr_factor(99, **kw) == pytest.approx(0.55)  # halfway through the decay: a cosine to the floor
+    assert lr_factor(110, **kw) == pytest.approx(0.1)
+    whole = {**kw, "decay_fraction": 1.0}  # a decay over the whole run starts after the warmup: the cosine
+    assert all(lr_factor(s, **whole) == pytest.approx(lr_factor(s, **{**kw, "schedule": "cosine"})) for s in range(120))
+
+
 def _train(model, opt, sched, steps, start=0):
     losses = []
     for s in range(start, start + steps):

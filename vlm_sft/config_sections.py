@@ -195,7 +195,7 @@ class DataConfig(_Section):
     """Processes per rank that render and pack the rank's data streams, dealt to them in turn (0: in the training
     process). It must divide ``streams_per_micro_batch x train.micro_batches`` (otherwise the largest divisor below
     it is used, and logged). None: one per spare core (at least 1 when the machine has a core beside each rank, at
-    most 8)."""
+    most 8). The packs and their order are the same for any number (``tests/test_data_order.py``)."""
     streams_per_micro_batch: int = Field(1, ge=1)
     """The training data is cut into ``G = B x this`` streams, each packed on its own, with ``B`` the global batch
     (processes / train.cp_size x train.micro_batches); global micro-batch ``i`` is the next pack of stream ``i % G``.
@@ -219,6 +219,11 @@ class TrainConfig(_Section):
     """Seed for init, data order and dropout."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """``auto``: CUDA when available, else CPU."""
+    cpu_threads: int | None = Field(None, ge=1)
+    """CPU runs: intra-op threads of each training process (``torch.set_num_threads``). None: one per core left to
+    the process (its cores / the training processes on the machine, less its data workers), or ``OMP_NUM_THREADS``
+    when set and no launcher started the process; launchers set that variable on their own (``accelerate launch``
+    sets 1), so under a launcher it is replaced, and logged. Rules and measurements: ``vlm_sft/cpu_threads.py``."""
     max_steps: int | None = Field(300, ge=1)
     """Optimizer steps to run; None to run ``epochs`` instead."""
     epochs: float | None = None
@@ -238,9 +243,12 @@ class TrainConfig(_Section):
     """Peak learning rate. 0 changes no weight (AdamW's decay is scaled by it too): a run that checks the pipeline,
     e.g. that the export reproduces the input checkpoint bit for bit."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    """Cosine floor as a fraction of ``lr``."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """Learning-rate shape after warmup."""
+    """Floor of the cosine (``cosine``, and ``wsd``'s decay) as a fraction of ``lr``."""
+    schedule: Literal["cosine", "constant", "wsd"] = "cosine"
+    """Learning-rate shape after warmup: ``cosine`` to the floor over the rest of the run, ``constant``, or ``wsd``
+    (warmup-stable-decay): the peak until the last ``decay_fraction`` of the run, then a cosine to the floor."""
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """``schedule = "wsd"``: the final fraction of the run's optimizer steps over which the lr decays."""
     warmup_steps: int | None = Field(None, ge=0)
     """Linear warmup steps (None: ``warmup_fraction``, or 50 when that is unset too). A count >= the run's steps is
     cut to a tenth of the run, with a warning: the run's length is only known when the schedule is built."""

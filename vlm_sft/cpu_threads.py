@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ LAUNCHER_MARKERS = {
 several; torchrun, which accelerate also uses for several), and the launcher each one names."""
 
 
-def prepare_cpu_env(environ: os._Environ | dict[str, str] | None = None) -> dict[str, str]:
+def prepare_cpu_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
     """Set the OpenMP environment this process needs unless the user set it; call it before torch is imported.
 
     Returns the variables it set (empty when the user had set them all), for the caller to log once logging is
@@ -114,7 +114,7 @@ def choose_cpu_threads(
 
 def set_cpu_threads(setting: int | None, *, data_workers: int = 0, log: bool = False) -> ThreadChoice:
     """Choose the thread count (``choose_cpu_threads``) and apply it to torch; log it once when ``log``."""
-    import torch
+    import torch  # here, not at the top: prepare_cpu_env must be importable before torch is
 
     choice = choose_cpu_threads(setting, data_workers=data_workers)
     torch.set_num_threads(choice.threads)

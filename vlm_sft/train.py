@@ -12,7 +12,11 @@ import logging
 import os
 import sys
 
-from vlm_sft.config import ConfigError, cli_parser, parse_cli
+from vlm_sft.cpu_threads import prepare_cpu_env
+
+prepare_cpu_env()  # before anything imports torch: OpenMP reads its settings once, when torch loads it
+
+from vlm_sft.config import ConfigError, cli_parser, parse_cli  # noqa: E402 (after prepare_cpu_env, on purpose)
 
 LOG_FORMAT = "%(asctime)s %(levelname)s {rank}%(name)s: %(message)s"
 """Log line layout; ``{rank}`` is empty on rank 0 and ``[rank N] `` on the others."""

@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from vlm_sft.config import ConfigError
+from vlm_sft.cpu_threads import usable_cores
 from vlm_sft.data.accounting import DataAccounting
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
@@ -66,8 +67,7 @@ the end of a finite stream."""
 
 def auto_num_workers(local_world_size: int, cores: int | None = None) -> int:
     """Workers per rank when the config leaves it open: the cores left beside each rank's own, between 0 and 8."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores() if cores is None else cores
     return max(0, min(MAX_AUTO_WORKERS, cores // max(local_world_size, 1) - 1))
 
 

@@ -41,6 +41,7 @@ from vlm_sft.checkpoint.state import (
     save_checkpoint,
 )
 from vlm_sft.config import ConfigError, RunConfig
+from vlm_sft.cpu_threads import set_cpu_threads
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.flops import mfu, peak_flops
@@ -51,6 +52,7 @@ from vlm_sft.trainer.batches import (
     TrainBatches,
     check_position,
     count_steps,
+    dealt_workers,
     resolve_num_workers,
     warn_small_streams,
 )
@@ -186,6 +188,10 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     cp, dp_rank, dp_size = context_parallel_groups(env, cfg.train.cp_size)
     # The data's global streams, and which this rank reads (a CP group shares its rows: its data-parallel rank's).
     layout = DataLayout(dp_rank, dp_size, cfg.train.micro_batches, cfg.data.streams_per_micro_batch, cfg.train.cp_size)
+    num_workers = resolve_num_workers(cfg.data.num_workers, log=env.is_main)
+    if env.device.type == "cpu":  # one thread count whatever the launcher; each data worker holds a core
+        workers = dealt_workers(num_workers, len(layout.cycle()))
+        set_cpu_threads(cfg.train.cpu_threads, data_workers=workers, log=env.is_main)
     saved = None if resume_from is None else read_trainer_state(resume_from, env=env)
     if saved is not None:  # a resume that cannot continue exactly is refused before the model is built
         with all_ranks_or_none(env, f"checking {resume_from} against this run"):
@@ -200,7 +206,6 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         model.set_context_parallel(cp)
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model.train()
-    num_workers = resolve_num_workers(cfg.data.num_workers, log=env.is_main)
     pipelines = build.TrainPipelines(cfg, sources.train, renderer)
     if env.is_main and not isinstance(sources.train, build.StreamedSource):
         warn_small_streams(len(sources.train), layout, cfg.data.bfd_buffer, cfg.data.packing)

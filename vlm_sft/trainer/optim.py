@@ -1,4 +1,4 @@
-"""AdamW with decay only where it belongs, and a warmup + cosine (or constant) schedule."""
+"""AdamW with decay only where it belongs, and a warmup + cosine, constant or warmup-stable-decay schedule."""
 
 from __future__ import annotations
 
@@ -36,14 +36,23 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup, then cosine to the floor."""
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float, decay_fraction: float = 0.2
+) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based): linear warmup, then ``cosine`` to the floor,
+    ``constant``, or ``wsd`` (warmup-stable-decay): the peak until the last ``decay_fraction`` of the run, then a
+    cosine to the floor over those steps."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    span = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / span)
+    start = warmup_steps
+    if schedule == "wsd":
+        start = max(warmup_steps, total_steps - round(decay_fraction * total_steps))
+        if step < start:
+            return 1.0
+    span = max(1, total_steps - start)
+    progress = min(1.0, (step - start) / span)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -84,5 +93,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_st
             total_steps=total_steps,
             schedule=cfg.schedule,
             min_lr_ratio=cfg.min_lr_ratio,
+            decay_fraction=cfg.decay_fraction,
         ),
     )
