@@ -11,11 +11,13 @@
 # "Seed" is train.seed: the model's init and the order of the training data. The data set itself stays the default
 # run's (data.shapes.seed = 0, a generator seed that picks other pictures: a different data set, not another run of
 # the same job); pass --data.shapes.seed N to change it too. Runs write to $OUT/seed<N>-<launcher>/ (metrics.jsonl,
-# the log beside it) and the table to $OUT/table.json.
+# the log beside it) and the table to bench/results/default_run_seeds.json (the README's source; with SEEDS,
+# LAUNCHERS or extra arguments given, to $OUT/table.json instead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python}
+[[ -n ${SEEDS:-}${LAUNCHERS:-} ]] && SEEDS_GIVEN=1
 SEEDS=${SEEDS:-"0 1 2"}
 LAUNCHERS=${LAUNCHERS:-"python accelerate"}
 OUT=${OUT:-outputs/default_run_seeds}
@@ -44,4 +46,6 @@ for seed in $SEEDS; do
     runs+=("$dir.run.json")
   done
 done
-"$PY" bench/default_run_table.py --out "$OUT/table.json" "${runs[@]}"
+table=$OUT/table.json
+[[ -z ${SEEDS_GIVEN:-} && $# -eq 0 ]] && table=bench/results/default_run_seeds.json
+"$PY" bench/default_run_table.py --out "$table" "${runs[@]}"

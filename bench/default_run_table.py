@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
+
+import harness
 
 FINAL_BAR = 0.95
 EARLY_BAR = 0.9
@@ -61,17 +60,16 @@ def format_table(rows: list[dict]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="the *.run.json files bench/default_run_seeds.sh wrote")
-    parser.add_argument("--out", type=Path, help="write the rows (and the machine) here as JSON")
+    parser.add_argument("--out", type=Path, help="write the rows, the table and the machine here as JSON")
     args = parser.parse_args()
     rows = [read_run(p) for p in args.runs]
-    print(format_table(rows))
     met = sum(r["ok"] for r in rows)
-    print(f"\n{met} of {len(rows)} runs met the bar (colour accuracy >= {EARLY_BAR} by two thirds, >= {FINAL_BAR} at "
-          "the end)")  # fmt: skip
+    table = format_table(rows)
+    bar = f"colour accuracy >= {EARLY_BAR} by two thirds, >= {FINAL_BAR} at the end"
+    verdict = f"{met} of {len(rows)} runs met the bar ({bar})"
+    print(f"{table}\n\n{verdict}")
     if args.out:
-        machine = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "platform": platform.platform(),
-                   "cores": len(os.sched_getaffinity(0))}  # fmt: skip
-        args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2) + "\n")
+        harness.write_results("default_run_seeds", {"rows": rows, "table": table, "verdict": verdict}, path=args.out)
     return 0 if met == len(rows) else 1
 
 

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json, then
 # bench/summarize.py collects the headline figures that bench/README.md's tables cite into bench/results/summary.json.
-# About 75 minutes on 2 cores (big-checkpoint load / save / resume ~12, ours vs transformers ~10, the packing
-# self-check calibration ~8, the data workers ~6, LoRA vs full ~5, context parallelism ~4); bench_loss_memory.py
-# alone needs ~12 GB of memory and ~10 minutes (skip it with SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine (its
-# gpu_check/gpu_check.json is summarized too when present).
+# About 90 minutes on 2 cores (the default run x 3 seeds x 2 launchers ~14, big-checkpoint load / save / resume ~12,
+# ours vs transformers ~10, the packing self-check calibration ~8, the data workers ~6, LoRA vs full ~5, context
+# parallelism ~4); bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip it with
+# SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine (its gpu_check/gpu_check.json is
+# summarized too when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -23,5 +24,6 @@ fi
 "$PY" bench/bench_cp.py
 "$PY" bench/bench_load.py
 "$PY" bench/calibrate_packing_check.py
+PYTHON="$PY" bash bench/default_run_seeds.sh
 "$PY" bench/summarize.py
 echo "tables: bench/README.md; figures: bench/results/*.json; headline figures: bench/results/summary.json"

@@ -59,6 +59,15 @@ def _vs_transformers(d: dict) -> dict:
     return out
 
 
+@figures("default_run_seeds", "default_run_seeds.json", "rows[].final, rows[].evals, rows[].train_s")
+def _default_run_seeds(d: dict) -> dict:
+    out = {}
+    for r in d["rows"]:
+        run = f"seed {r['seed']} {r['launcher']}"
+        out[f"{run} final colour acc"], out[f"{run} train_s"] = r["final"], r["train_s"]
+    return out
+
+
 @figures("bench_linear_attn", "bench_linear_attn.json", "rows[].b_over_a_fwd_bwd")
 def _linear_attn(d: dict) -> dict:
     return {f"{r['case']}: {r['b']} / {r['a']} fwd+bwd": r["b_over_a_fwd_bwd"] for r in d["rows"]}
