@@ -8,6 +8,13 @@ slower under load until ``OMP_WAIT_POLICY=PASSIVE`` (measured-facts.md, 2026-12-
 unless it is set already, and must run before torch is imported: OpenMP reads its environment once, when torch
 loads it. ``vlm_sft/train.py`` calls it before its other imports; the bench harness calls it too.
 
+PASSIVE is the robust choice, not the fastest one: a sleeping thread takes a wake-up at every parallel region. On a
+quiet 2-core machine, 2-thread training steps of the tiny model took 2.3x as long under PASSIVE as under OpenMP's
+default (spin, then sleep), longer than 1 thread; with two such 2-thread processes sharing the cores, the default
+took 3x as long as PASSIVE (2026-12-05, ``bench_vs_transformers.py``'s shapes steps, interleaved probes). One thread
+(the choice below on small machines) does not wait at all. On a machine of your own, ``OMP_WAIT_POLICY=ACTIVE`` (or
+any value you set) is kept.
+
 **The intra-op thread count.** Launchers write ``OMP_NUM_THREADS`` on their own: ``accelerate launch`` (1.16) sets
 1 for its process when the variable is unset (more only with ``--cpu``, from psutil's count of physical cores), and
 ``torchrun`` sets 1 when it starts several processes per node. So on one 2-core machine ``python vlm_sft/train.py``
