@@ -23,7 +23,9 @@ repetition, then the median and the range over repetitions. Workloads: the defau
 per step) and ``long_tail`` (``SyntheticSource``, truncated to 2048 tokens, 0-4 images, 8 samples per step). The ideal
 gain is the padded batches' token slots / real tokens (all padding removed at no cost). CPU runs set
 ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported (busy-waiting OpenMP threads made 2-thread steps 10-40x slower
-under load) and ``--threads`` threads.
+under load) and ``--threads`` threads, 1 by default: under PASSIVE every contender ran its steps faster on 1 thread than
+on 2 on a 2-core machine (each parallel region wakes a sleeping thread), and 1 is what the trainer picks there
+(``vlm_sft/cpu_threads.py``); ``--threads 2`` is measured too (``bench/README.md``).
 """
 
 from __future__ import annotations
@@ -332,7 +334,7 @@ COLUMNS = [
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the module docstring says why)")
     p.add_argument("--slices", type=int, default=3, help="interleaving slices per repetition")
     p.add_argument("--shapes-samples", type=int, default=640)
     p.add_argument("--long-samples", type=int, default=48)

@@ -19,7 +19,7 @@ if [[ -z "${SKIP_LOSS_MEMORY:-}" ]]; then
 fi
 "$PY" bench/bench_train_throughput.py
 "$PY" bench/bench_vs_transformers.py
-"$PY" bench/bench_vs_transformers.py --threads 1 --out bench/results/vs_transformers_1thread.json
+"$PY" bench/bench_vs_transformers.py --threads 2 --out bench/results/vs_transformers_2threads.json
 "$PY" bench/bench_lora.py
 "$PY" bench/bench_moe.py
 "$PY" bench/bench_cp.py
