@@ -23,9 +23,10 @@ repetition, then the median and the range over repetitions. Workloads: the defau
 per step) and ``long_tail`` (``SyntheticSource``, truncated to 2048 tokens, 0-4 images, 8 samples per step). The ideal
 gain is the padded batches' token slots / real tokens (all padding removed at no cost). CPU runs set
 ``OMP_WAIT_POLICY=PASSIVE`` before torch is imported (busy-waiting OpenMP threads made 2-thread steps 10-40x slower
-under load) and ``--threads`` threads, 1 by default: under PASSIVE every contender ran its steps faster on 1 thread than
-on 2 on a 2-core machine (each parallel region wakes a sleeping thread), and 1 is what the trainer picks there
-(``vlm_sft/cpu_threads.py``); ``--threads 2`` is measured too (``bench/README.md``).
+under load) and ``--threads`` threads, 1 by default: the trainer's own choice on a 2-core machine
+(``vlm_sft/cpu_threads.py``), and under PASSIVE every contender ran the short-row shapes steps faster on 1 thread than
+on 2 (each parallel region wakes a sleeping thread; on the long tail 2 threads were 4-32% faster); ``--threads 2`` is
+measured too (``bench/README.md``).
 """
 
 from __future__ import annotations
