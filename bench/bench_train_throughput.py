@@ -196,8 +196,7 @@ class Runner:
     def run(self, label: str, batches: list[PackedBatch]) -> tuple[list[dict], float | None]:
         """Train ``label``'s model on ``batches``; per-step timings and the peak RSS increase (MB) over the slice."""
         t = self.trainees[label]
-        for cache in (varlen.grouped_chunk_layout, varlen.bucket_layout, varlen._position_in_segment):
-            cache.cache_clear()  # a packed row pays its layout once, as in training
+        varlen.clear_layout_caches()  # a packed row pays its layout once, as in training
         peak_ok = harness.reset_peak_rss()  # glibc's free lists trimmed first
         rss0 = harness.rss_mb()
         steps = []

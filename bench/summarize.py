@@ -47,7 +47,11 @@ def _train_throughput(d: dict) -> dict:
     return out
 
 
-@figures("vs_transformers_2threads", "vs_transformers_2threads.json", "workloads[].ours_packed_over")
+@figures(
+    "vs_transformers_2threads",
+    "vs_transformers_2threads.json",
+    "workloads[].ours_packed_over, workloads[].ideal_gain_*",
+)
 @figures("vs_transformers", "vs_transformers.json", "workloads[].ours_packed_over, workloads[].ideal_gain_*")
 def _vs_transformers(d: dict) -> dict:
     out = {}

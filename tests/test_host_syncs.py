@@ -87,9 +87,7 @@ def _count_step(layers: int, *, checkpointing: bool = False) -> HostReads:
         tiny_qwen3_5_config(num_hidden_layers=layers), freeze_vision=False, activation_checkpointing=checkpointing
     )
     batch = _batch()
-    for name in dir(varlen):  # layouts are cached per length list: count the first (worst) forward
-        if hasattr(getattr(varlen, name), "cache_clear"):
-            getattr(varlen, name).cache_clear()
+    varlen.clear_layout_caches()  # layouts are cached per length list: count the first (worst) forward
     with HostReads() as reads:
         loss_sum, _ = model(**batch.model_kwargs())
         loss_sum.backward()

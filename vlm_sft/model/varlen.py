@@ -354,3 +354,10 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x`` with one zero row appended, indexed along dim 0 (index ``len(x)`` reads the zero row, i.e. padding)."""
     padded = torch.cat([x, x.new_zeros((1, *x.shape[1:]))], dim=0)
     return padded.index_select(0, index)
+
+
+def clear_layout_caches() -> None:
+    """Forget every cached layout (chunk groups, buckets, segment indices): the next forward of a length list pays
+    its layout again, as the first step of a training run does (benchmarks and host-read counts start from here)."""
+    for cached in (chunk_layout, grouped_chunk_layout, bucket_layout, _segment_index, _position_in_segment):
+        cached.cache_clear()
