@@ -232,3 +232,24 @@ def test_launchers_see_the_probe_and_entry_point():
     assert Path(TRAIN_SCRIPT).is_file() and Path(PROBE).is_file() and "RANK" not in launch_env()
     assert callable(run_training)
     assert os.path.basename(PROBE) == "collective_probe.py"
+
+
+def test_end_process_flushes_and_exits_with_the_code():
+    """``end_process`` leaves without the interpreter's teardown (the abort after finished multi-process runs); what
+    Python still buffers (a log record, unflushed stdout / stderr) must come out first, and the code is the run's."""
+    script = (
+        "import logging, sys\n"
+        "from vlm_sft.trainer.distributed import end_process\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "logging.getLogger('run').info('logged before the end')\n"
+        "sys.stdout.write('printed, not flushed'); sys.stderr.write('to stderr, not flushed')\n"
+        "end_process(3)\n"
+        "print('never reached')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered, as a launched run's output
+    proc = subprocess.run(  # stdout to a pipe: block-buffered, so only the flush can get the line out
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, env=env
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "printed, not flushed"
+    assert "logged before the end" in proc.stderr and "to stderr, not flushed" in proc.stderr
