@@ -253,8 +253,9 @@ def cleanup(env: DistEnv, *, finished: bool) -> None:
     """Leave the process group (every rank, at exit, success or failure).
 
     ``finished`` (every rank got through the run): a barrier first, so no rank tears its gloo pairs down while a peer
-    still has work in flight on them (seen as "terminate called without an active exception", a SIGABRT at exit
-    after a finished run). After a failure there is no barrier: the failed rank's peers may never reach it."""
+    still has work in flight on them. That alone did not stop the abort at exit after a finished run ("terminate
+    called without an active exception"): it happens later, in the interpreter's teardown, which the CLI skips
+    (``end_process``). After a failure there is no barrier: the failed rank's peers may never reach it."""
     if env.sharded and dist.is_initialized():
         if finished:
             dist.barrier()
