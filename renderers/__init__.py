@@ -4,7 +4,13 @@ from renderers.content import ImageBlock, Message, TextBlock, normalize_messages
 from renderers.errors import RenderError, SampleError, SkipSample
 from renderers.image_cache import CachedImageProcessor, ImageCache, ProcessedImage
 from renderers.images import load_image
-from renderers.parity import TemplateParityError, check_template_parity, default_probe
+from renderers.parity import (
+    TemplateParityError,
+    check_served_prompt,
+    check_template_parity,
+    default_probe,
+    served_probes,
+)
 from renderers.qwen3_5 import Qwen3_5Renderer
 from renderers.registry import RENDERERS, get_renderer
 from renderers.types import (
@@ -35,9 +41,11 @@ __all__ = [
     "SkipSample",
     "TemplateParityError",
     "TextBlock",
+    "check_served_prompt",
     "check_template_parity",
     "default_probe",
     "get_renderer",
     "load_image",
     "normalize_messages",
+    "served_probes",
 ]

@@ -190,13 +190,14 @@ def normalize_message(message: Any) -> Message:
     )
 
 
-def validate_structure(messages: Sequence[Message]) -> None:
+def validate_structure(messages: Sequence[Message], *, require_assistant: bool = True) -> None:
     """Raise ``RenderError`` for conversations the template cannot render meaningfully or that teach nothing.
 
     Rules (from the Qwen3.5 template's own checks plus what SFT needs): a system message only first; the first
     other message is a user turn; a tool result directly follows an assistant turn with tool calls or another tool
     result; every message has content (an assistant turn may instead carry only tool calls); at least one
-    assistant turn. Consecutive assistant turns are allowed: the template renders them.
+    assistant turn (``require_assistant``; a generation prompt has none). Consecutive assistant turns are allowed:
+    the template renders them.
     """
     if not messages:
         raise RenderError("empty_conversation", "no messages")
@@ -214,16 +215,16 @@ def validate_structure(messages: Sequence[Message]) -> None:
                 raise RenderError("bad_role_order", f"tool result at position {i} without a preceding tool call")
         if not m.has_content() and not (m.role == "assistant" and m.tool_calls):
             raise RenderError("empty_content", f"{m.role} message at position {i} has no content")
-    if not any(m.role == "assistant" for m in messages):
+    if require_assistant and not any(m.role == "assistant" for m in messages):
         raise RenderError("no_assistant_turn", "no assistant turn: nothing to train on")
 
 
-def normalize_messages(messages: Any) -> tuple[Message, ...]:
-    """Normalize and validate a whole conversation."""
+def normalize_messages(messages: Any, *, require_assistant: bool = True) -> tuple[Message, ...]:
+    """Normalize and validate a whole conversation (``require_assistant``: see ``validate_structure``)."""
     if not isinstance(messages, list | tuple):
         raise RenderError("bad_message", f"messages must be a list, got {type(messages).__name__}")
     normalized = tuple(normalize_message(m) for m in messages)
-    validate_structure(normalized)
+    validate_structure(normalized, require_assistant=require_assistant)
     return normalized
 
 

@@ -6,14 +6,23 @@ How one conversation is rendered (each step once, so the result is exact and che
 2. apply the special-text policy to every user-written string (below);
 3. render the text with the processor's own chat template, once, with ``{% generation %}`` tracking, which gives
    the character spans of every assistant turn (its content through its ``<|im_end|>``);
-4. tokenize that text once with the fast tokenizer, with character offsets;
+4. tokenize that text with the fast tokenizer, with character offsets, in two pieces cut right after the last
+   assistant turn's served generation prompt (``renderers.served``): a server tokenizes its prompt as one string, so
+   the tokens before the last reply are exactly the served prompt's and the reply's are the tokenizer's own;
 5. expand each ``<|image_pad|>`` to ``prod(grid_thw) // merge**2`` copies. ``<|image_pad|>`` is an added token,
    so the tokenizer splits the text around it and expanding ids equals tokenizing the expanded text;
 6. the loss mask is every token that overlaps a trained generation span (the rule transformers uses for
    ``return_assistant_tokens_mask``), minus vision tokens.
 
-So ``token_ids`` equal ``processor.apply_chat_template(messages, tokenize=True)`` and the images equal the
-processor's (``renderers.parity`` checks it against a loaded checkpoint).
+So ``token_ids`` equal the processor's tokens of the template's text (``processor.apply_chat_template(messages,
+tokenize=True)`` wherever BPE merges nothing across a cut), the tokens before the last reply equal
+``apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True)``, and the images equal the
+processor's (``renderers.parity`` checks both against a loaded checkpoint).
+
+Which assistant turns train (``loss_on``): ``all_assistant`` every turn as the template renders it (history turns
+before the last user query without their reasoning: Qwen3.5's template drops it), ``last_assistant`` the last one,
+``stable_prefix`` only turns whose rendering begins with the served generation prompt, i.e. the turns a server's
+prompt can lead into (the final reply and the tool-calling turns after the last user query).
 
 Special text ("phantom placeholders"). A user who types ``<|image_pad|>`` or ``<|im_end|>`` in a message would,
 through the template and tokenizer, produce a real image slot (misaligning image features: a multi-GPU run hangs)
@@ -35,6 +44,7 @@ Where parity with ``apply_chat_template`` is not defined, on purpose:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -59,11 +69,12 @@ from renderers.content import (
 )
 from renderers.errors import RenderError
 from renderers.image_cache import CachedImageProcessor, ImageCache, ProcessedImage
+from renderers.served import THINKING_VARIABLE, ServedPrompt
 from renderers.types import IMAGE_TOKEN_TYPE, MultiModalData, PlaceholderRange, RenderedSample
 
 logger = logging.getLogger(__name__)
 
-LossOn = Literal["all_assistant", "last_assistant"]
+LossOn = Literal["all_assistant", "last_assistant", "stable_prefix"]
 SpecialText = Literal["escape", "drop", "error"]
 
 _MARK_OPEN = "\ufdd0"
@@ -110,9 +121,10 @@ class Qwen3_5Renderer:
         max_image_pixels: int | None = None,
         chat_template: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        enable_thinking: bool = False,
     ) -> None:
-        if loss_on not in ("all_assistant", "last_assistant"):
-            raise ValueError(f"loss_on={loss_on!r}; use 'all_assistant' or 'last_assistant'")
+        if loss_on not in ("all_assistant", "last_assistant", "stable_prefix"):
+            raise ValueError(f"loss_on={loss_on!r}; use 'all_assistant', 'last_assistant' or 'stable_prefix'")
         if special_text not in ("escape", "drop", "error"):
             raise ValueError(f"special_text={special_text!r}; use 'escape', 'drop' or 'error'")
         self.processor = processor
@@ -128,6 +140,11 @@ class Qwen3_5Renderer:
             )
         self.template_kwargs = {**self.tokenizer.special_tokens_map, **(template_kwargs or {})}
         """Variables the template sees, as ``processor.apply_chat_template`` passes them (plus ours)."""
+        self.enable_thinking = enable_thinking
+        """The thinking mode the run trains for: its generation prompts (``render_prompt``) and the served prompt
+        after which each reply's tokenization starts (``served``)."""
+        self.served = ServedPrompt.from_template(self.chat_template, self.template_kwargs, enable_thinking)
+        """The template's generation prompt after an assistant header, in this mode first (``renderers.served``)."""
         image_processor = processor.image_processor
         self.merge_size = int(image_processor.merge_size)
         image_token = getattr(processor, "image_token", "<|image_pad|>")
@@ -172,10 +189,31 @@ class Qwen3_5Renderer:
         conversation, tools_, _ = self._prepare(messages, tools)
         return self._template(conversation, tools_)[0].replace(_MARK_OPEN, "").replace(_MARK_CLOSE, "")
 
+    def last_reply_start(self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | str | None = None) -> int:
+        """Where, in ``render_text(messages)``, the last assistant turn's reply begins: just after the generation
+        prompt a server gives in this run's thinking mode (``renderers.served``). ``ValueError`` when that turn does
+        not begin with a served prompt (a turn no server prompt leads into), or the text holds escaped control
+        strings."""
+        conversation, tools_, found = self._prepare(messages, tools)
+        if found:
+            raise ValueError(f"the conversation holds control-token strings {found[:3]}; use one without them")
+        text, spans = self._template(conversation, tools_)
+        cut = self.served.cut_after_prompt(text, *spans[-1])
+        if cut is None:
+            raise ValueError(
+                f"the last assistant turn renders as {text[spans[-1][0] : spans[-1][0] + 40]!r}, which no generation "
+                f"prompt of this template ({self.served.continuations}) leads into"
+            )
+        return cut
+
     # ---------------------------------------------------------------------------------------------- stages
 
-    def _prepare(self, messages: Any, tools: Any) -> tuple[tuple[Message, ...], list[dict] | None, list[str]]:
-        conversation = tuple(self._join_split_specials(m) for m in normalize_messages(messages))
+    def _prepare(
+        self, messages: Any, tools: Any, *, prompt: bool = False
+    ) -> tuple[tuple[Message, ...], list[dict] | None, list[str]]:
+        """Normalized messages (``prompt``: a conversation awaiting its reply, which needs no assistant turn)."""
+        normalized = normalize_messages(messages, require_assistant=not prompt)
+        conversation = tuple(self._join_split_specials(m) for m in normalized)
         tools_ = _normalize_tools(tools)
         texts = iter_text(conversation, tools_)
         found = [m.group(0) for s in texts if "<" in s for m in self._special_re.finditer(s)]
@@ -220,21 +258,39 @@ class Qwen3_5Renderer:
     def _escape(self, text: str) -> str:
         return self._special_re.sub(lambda m: _MARK_OPEN + m.group(0) + _MARK_CLOSE, text)
 
-    def _template(self, conversation: Sequence[Message], tools: list[dict] | None) -> tuple[str, list[list[int]]]:
+    def _template(
+        self, conversation: Sequence[Message], tools: list[dict] | None, *, generation_prompt: bool = False
+    ) -> tuple[str, list[list[int]]]:
+        """The template's text and its assistant spans; ``generation_prompt`` renders a server's prompt (the run's
+        thinking mode passed explicitly, so it never depends on the template's default)."""
+        flags = {"add_generation_prompt": True, THINKING_VARIABLE: self.enable_thinking} if generation_prompt else {}
         try:
             rendered, spans = render_jinja_template(
                 conversations=[[to_template_message(m) for m in conversation]],
                 tools=tools,
                 chat_template=self.chat_template,
                 return_assistant_tokens_mask=True,
-                **self.template_kwargs,
+                **{**self.template_kwargs, **flags},
             )
         except jinja2.TemplateError as e:
             raise RenderError("template_error", f"the chat template refused the conversation: {e}") from e
         return rendered[0], spans[0]
 
-    def _tokenize(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and ``[T, 2]`` character offsets into ``text`` (which may hold escape marks)."""
+    def _tokenize(self, text: str, cuts: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and ``[T, 2]`` character offsets into ``text`` (which may hold escape marks), tokenized in
+        separate pieces at ``cuts`` (ascending character positions): the ends of served generation prompts, so
+        that no token straddles the point where a server's prompt stops and the reply starts."""
+        bounds = [0, *cuts, len(text)]
+        if len(bounds) == 2:
+            return self._tokenize_piece(text)
+        ids, offsets = [], []
+        for start, end in itertools.pairwise(bounds):
+            piece_ids, piece_offsets = self._tokenize_piece(text[start:end])
+            ids.append(piece_ids)
+            offsets.append(piece_offsets + start)
+        return np.concatenate(ids), np.concatenate(offsets)
+
+    def _tokenize_piece(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         if _MARK_OPEN not in text:
             enc = self._backend.encode(text, add_special_tokens=False)
             return np.asarray(enc.ids, dtype=np.int64), np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
@@ -257,17 +313,63 @@ class Qwen3_5Renderer:
             position += len(piece) + 1  # the mark that followed this piece
         return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
+    def _trained_spans(self, text: str, spans: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """(the spans ``loss_on`` trains, the tokenization cut after the last span's served prompt).
+
+        A span whose text begins with the served generation prompt (``renderers.served``) is a *stable prefix*:
+        the conversation up to it, rendered as a server renders a request, is a prefix of this rendering. History
+        turns before the last user query are not (the template renders them without their think block).
+
+        Only the last span is cut: a server tokenizes each request's whole prompt as one string, so the earlier turns
+        of a later request's prompt are tokenized whole, and so are they here (a thinking run's empty think block in
+        an earlier tool-calling turn is ``<think>``, ``\n\n``, ... in the next request's prompt, as in training)."""
+        cuts = [self.served.cut_after_prompt(text, start, end) for start, end in spans]
+        if self.loss_on == "all_assistant":
+            trained = spans
+        elif self.loss_on == "last_assistant":
+            trained = spans[-1:]
+        else:
+            trained = [span for span, cut in zip(spans, cuts, strict=True) if cut is not None]
+        return trained, [cuts[-1]] if cuts and cuts[-1] is not None else []
+
     def _render(self, messages: Any, tools: Any, sample_index: int) -> RenderedSample:
         conversation, tools_, found = self._prepare(messages, tools)
         text, spans = self._template(conversation, tools_)
-        ids, offsets = self._tokenize(text)
+        trained, cuts = self._trained_spans(text, spans)
+        ids, offsets = self._tokenize(text, cuts)
 
-        trained = spans if self.loss_on == "all_assistant" else spans[-1:]
         starts, ends = offsets[:, 0], offsets[:, 1]
         mask = np.zeros(len(ids), dtype=bool)
         for start, end in trained:
             mask |= (starts < end) & (ends > start)
+        sample = self._with_images(conversation, ids, mask, sample_index, found)
+        if not sample.loss_mask.any():
+            raise RenderError("no_trainable_tokens", "the rendered conversation has no assistant tokens to train on")
+        return sample
 
+    def render_prompt(
+        self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | str | None = None, sample_index: int = -1
+    ) -> RenderedSample:
+        """A server's generation prompt for ``messages`` (a conversation that ends before the reply to generate):
+        the template with ``add_generation_prompt`` in the run's thinking mode, tokenized as one string, images
+        expanded; the loss mask is all False. ``metadata["text"]`` holds the prompt text."""
+        try:
+            conversation, tools_, found = self._prepare(messages, tools, prompt=True)
+            text, _ = self._template(conversation, tools_, generation_prompt=True)
+            ids, _ = self._tokenize(text)
+            sample = self._with_images(conversation, ids, np.zeros(len(ids), dtype=bool), sample_index, found)
+        except RenderError as e:
+            if sample_index >= 0 and e.sample_index != sample_index:
+                raise e.with_index(sample_index) from e
+            raise
+        sample.metadata["text"] = text.replace(_MARK_OPEN, "").replace(_MARK_CLOSE, "")
+        return sample
+
+    def _with_images(
+        self, conversation: Sequence[Message], ids: np.ndarray, mask: np.ndarray, sample_index: int, found: list[str]
+    ) -> RenderedSample:
+        """Each ``<|image_pad|>`` expanded to its image's merged-token count, the images processed (cached), vision
+        tokens never trained."""
         blocks: list[ImageBlock] = [b for m in conversation for b in m.images]
         pad_positions = np.flatnonzero(ids == self.image_token_id)
         if len(pad_positions) != len(blocks):
@@ -284,9 +386,6 @@ class Qwen3_5Renderer:
             types[pad_positions] = IMAGE_TOKEN_TYPE
             ids, mask, types = np.repeat(ids, repeats), np.repeat(mask, repeats), np.repeat(types, repeats)
             mask &= (types != IMAGE_TOKEN_TYPE) & ~np.isin(ids, self.vision_ids)
-        if not mask.any():
-            raise RenderError("no_trainable_tokens", "the rendered conversation has no assistant tokens to train on")
-
         metadata: dict[str, Any] = {}
         if found:
             metadata["escaped_special_text" if self.special_text == "escape" else "dropped_special_text"] = tuple(found)

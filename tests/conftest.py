@@ -82,6 +82,21 @@ def renderer(processor):
     return get_renderer(processor)
 
 
+@pytest.fixture(scope="module")
+def image_files(tmp_path_factory) -> list[str]:
+    """Five png files of shapes in different sizes (``chat_fixtures.conversations`` takes their paths)."""
+    from chat_fixtures import shape_image
+
+    root = tmp_path_factory.mktemp("images")
+    sizes = [(64, 64), (96, 96), (64, 128), (96, 64), (32, 32)]
+    paths = []
+    for i, size in enumerate(sizes):
+        path = root / f"shape{i}.png"
+        shape_image(i, size).save(path)
+        paths.append(str(path))
+    return paths
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch() -> None:
     torch.manual_seed(0)

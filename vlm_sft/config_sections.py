@@ -176,8 +176,18 @@ class DataConfig(_Section):
     """Cap on vision patches per pack, bounding the vision tower's memory per step; None: no cap."""
     truncation: Literal["drop", "truncate"] = "drop"
     """When truncation cuts the final trainable turn's closing token: ``drop`` the sample or ``truncate`` it."""
-    loss_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
-    """Which assistant turns are trained."""
+    loss_on: Literal["all_assistant", "last_assistant", "stable_prefix"] = "all_assistant"
+    """Which assistant turns are trained: ``all_assistant`` every turn as the template renders it (history turns
+    before the last user query without their reasoning, as Qwen3.5's template renders them), ``last_assistant`` the
+    last one, ``stable_prefix`` only turns a server's generation prompt leads into (the conversation up to the turn,
+    rendered with ``add_generation_prompt``, is a prefix of the whole rendering: the final reply and the tool-calling
+    turns after the last user query)."""
+    enable_thinking: bool = False
+    """The thinking mode the run trains for: the default of ``enable_thinking`` in the saved checkpoints' chat
+    template (so a server's default prompt is the one training showed), the eval's generation prompts, and where
+    each reply's tokens start. false: the generation prompt closes an empty think block, for data without
+    ``reasoning_content`` (most SFT data; the default run). true: the prompt opens the think block, for reasoning
+    data. A run warns when the data's last turns disagree with it (README: Served as trained)."""
     special_text: Literal["escape", "drop", "error"] = "escape"
     """What to do with special-token strings (e.g. ``<|image_pad|>``) typed in user text."""
     image_root: str | None = None

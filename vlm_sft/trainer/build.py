@@ -15,7 +15,8 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from processors import load_processor, load_tiny_processor
-from renderers import RenderedSample, get_renderer
+from renderers import RenderedSample, check_served_prompt, check_template_parity, get_renderer, served_probes
+from renderers.served import default_thinking_mode, last_reply_reasons, with_thinking_default
 from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, TINY_MOE_MODEL, ConfigError, RunConfig
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.pipeline import PackingPipeline
@@ -35,10 +36,24 @@ logger = logging.getLogger(__name__)
 
 
 def build_processor(cfg: RunConfig) -> Any:
-    """The tiny offline processor for the tiny presets, else the checkpoint's own (no torchvision needed)."""
-    if cfg.model.name_or_path in TINY_MODELS:
-        return load_tiny_processor()
-    return load_processor(cfg.model.name_or_path)
+    """The tiny offline processor for the tiny presets, else the checkpoint's own (no torchvision needed), with its
+    chat template's ``enable_thinking`` default set to ``data.enable_thinking`` where it differs: the run's processor
+    is the one its checkpoints save, so a server calling their template with no arguments prompts the way the run
+    trained (``renderers.served``)."""
+    processor = (
+        load_tiny_processor() if cfg.model.name_or_path in TINY_MODELS else load_processor(cfg.model.name_or_path)
+    )
+    served = default_thinking_mode(processor.chat_template, processor.tokenizer.special_tokens_map)
+    if served is not None and served != cfg.data.enable_thinking:
+        logger.info(
+            "chat template: enable_thinking defaults to %s in this run's checkpoints (data.enable_thinking; the base "
+            "template's default is %s)",
+            str(cfg.data.enable_thinking).lower(),
+            str(served).lower(),
+        )
+        template = with_thinking_default(processor.chat_template, cfg.data.enable_thinking)
+        processor.chat_template = processor.tokenizer.chat_template = template
+    return processor
 
 
 def tiny_model_config(cfg: RunConfig) -> Qwen3_5Config | Qwen3_5MoeConfig:
@@ -54,7 +69,48 @@ def tiny_model_config(cfg: RunConfig) -> Qwen3_5Config | Qwen3_5MoeConfig:
 
 
 def build_renderer(cfg: RunConfig, processor: Any):
-    return get_renderer(processor, loss_on=cfg.data.loss_on, special_text=cfg.data.special_text)
+    return get_renderer(
+        processor,
+        loss_on=cfg.data.loss_on,
+        special_text=cfg.data.special_text,
+        enable_thinking=cfg.data.enable_thinking,
+    )
+
+
+THINKING_PROBE_ROWS = 256
+"""Training rows ``check_served_template`` reads to compare the data's replies with ``data.enable_thinking``."""
+
+
+def check_served_template(cfg: RunConfig, processor: Any, renderer: Any, source: Any, *, warn: bool = True) -> None:
+    """Refuse to train on tokens the checkpoint would not serve, and say when the data disagrees with the mode.
+
+    The renderer must equal the processor (``check_template_parity``), and a server calling the template the run
+    saves with no arguments must prompt exactly the tokens the run trains before each probe's last reply
+    (``check_served_prompt``). Then (``warn``) the last replies of the first ``THINKING_PROBE_ROWS`` rows: mostly
+    reasoning in a non-thinking run, or none in a thinking one, is a warning naming the setting (streamed sources
+    are not read)."""
+    check_template_parity(renderer, processor)
+    for probe in served_probes(cfg.data.enable_thinking):
+        check_served_prompt(renderer, processor, probe)
+    if not warn or isinstance(source, StreamedSource) or not len(source):
+        return
+    rows = range(min(len(source), THINKING_PROBE_ROWS))
+    reasoning = sum(last_reply_reasons(source[i].messages) for i in rows)
+    if not cfg.data.enable_thinking and reasoning > len(rows) / 2:
+        logger.warning(
+            "%d of the first %d training rows end in a reply with reasoning, but data.enable_thinking = false: the "
+            "saved template's default prompt closes the think block, so served the default way the model is never "
+            "asked to reason; set data.enable_thinking = true for reasoning data",
+            reasoning,
+            len(rows),
+        )
+    elif cfg.data.enable_thinking and reasoning == 0:
+        logger.warning(
+            "none of the first %d training rows ends in a reply with reasoning, but data.enable_thinking = true: the "
+            "saved template's default prompt opens a think block the data never fills; set data.enable_thinking = "
+            "false for data without reasoning",
+            len(rows),
+        )
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from renderers import check_template_parity
 from vlm_sft.checkpoint.export import export_final
 from vlm_sft.checkpoint.hf_dir import CheckpointIndex
 from vlm_sft.checkpoint.state import (
@@ -183,6 +182,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         processor, renderer = _prepare(cfg, env, out_dir)
     with all_ranks_or_none(env, "loading the data"):
         sources = build.load_sources(cfg)
+        # Refuse to train on tokens the checkpoint's template would not give, or that its server would not prompt.
+        build.check_served_template(cfg, processor, renderer, sources.train, warn=env.is_main)
     with all_ranks_or_none(env, "finding the checkpoint to resume from"):
         resume_from = resolve_resume(cfg.train.resume, out_dir)
     cp, dp_rank, dp_size = context_parallel_groups(env, cfg.train.cp_size)
@@ -255,7 +256,6 @@ def _prepare(cfg: RunConfig, env: DistEnv, out_dir: Path) -> tuple[Any, Any]:
         (out_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
     processor = build.build_processor(cfg)
     renderer = build.build_renderer(cfg, processor)
-    check_template_parity(renderer, processor)  # refuse to train on tokens the checkpoint's template would not give
     if env.is_main:  # a progress bar only where someone watches it, not in a job's log file
         build.materialize_data(cfg, progress=sys.stderr.isatty())
     return processor, renderer
