@@ -8,7 +8,11 @@ Backends: ``"fla"`` (flash-linear-attention's triton conv with ``cu_seqlens``), 
 package, segments given as ``seq_idx``), ``"torch"``: W shifted copies of ``x`` summed with a mask that drops
 each tap reaching before its token's segment start (no per-segment loop; W is 4 in Qwen3.5).
 
-Legend: T = total tokens of the flattened batch, C = channels, W = kernel width.
+Incremental decoding (``vlm_sft.model.decode``): ``conv_tail`` keeps each segment's last ``W - 1`` inputs after a
+prefill, ``conv_step`` convolves one new token per sequence over them.
+
+Legend: T = total tokens of the flattened batch, S = segments (sequences), C = channels, W = kernel width (a ``W``
+suffix on a tail is its ``W - 1`` rows).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vlm_sft.model.varlen import Segments, position_in_segment, segment_index
+from vlm_sft.model.varlen import Segments, gather_rows, position_in_segment, segment_index
 
 ACTIVATIONS = (None, "silu", "swish")
 
@@ -97,3 +101,54 @@ def _cuda_conv(x_TC, weight_CW, bias_C, segments: Segments, activation):
         activation=activation,
     )
     return y_1CT.transpose(1, 2).squeeze(0)
+
+
+# ------------------------------------------------------------------------------------- incremental decoding
+
+
+def conv_tail(x_TC: torch.Tensor, segments: Segments, width: int) -> torch.Tensor:
+    """``[S, W - 1, C]``: the last ``W - 1`` conv inputs of every segment, oldest first, the state ``conv_step``
+    continues a segment from. A segment shorter than ``W - 1`` gets zero rows in front, which is what its own causal
+    zero padding would read (so the first decode step sees exactly the taps the full conv would)."""
+    segments.check_tokens(x_TC.shape[0], "conv_tail")
+    total, keep = x_TC.shape[0], width - 1
+    index, end = [], 0
+    for n in segments.lengths:  # host ints: the gather index is built without reading the device
+        end += n
+        index += [t if t >= end - n else total for t in range(end - keep, end)]  # ``total`` reads gather_rows' zero row
+    index_t = torch.tensor(index, dtype=torch.int64).to(x_TC.device)
+    return gather_rows(x_TC, index_t).view(len(segments.lengths), keep, x_TC.shape[1])
+
+
+def conv_step(
+    x_SC: torch.Tensor,
+    tail_SWC: torch.Tensor,
+    weight_CW: torch.Tensor,
+    bias_C: torch.Tensor | None,
+    *,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new token of each of S sequences: ``(y_SC, new tail_SWC)``; ``tail_SWC`` holds each sequence's last
+    ``W - 1`` inputs, oldest first (``conv_tail``), and the new tail drops the oldest and appends ``x``.
+
+    The taps are summed in the order of the torch varlen conv (the token's own tap first, then one shift at a time),
+    in the weight's dtype, so a step gives what the full conv gives that token.
+    """
+    width = weight_CW.shape[1]
+    if x_SC.dim() != 2 or tail_SWC.shape != (x_SC.shape[0], width - 1, x_SC.shape[1]):
+        raise ValueError(
+            f"conv_step wants x [S, C] and tail [S, W - 1, C] for width {width}; got {tuple(x_SC.shape)}, "
+            f"{tuple(tail_SWC.shape)}"
+        )
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    x = x_SC.to(weight_CW.dtype)
+    y_SC = x * weight_CW[:, width - 1]
+    for shift in range(1, width):
+        y_SC = y_SC + tail_SWC[:, width - 1 - shift].to(x.dtype) * weight_CW[:, width - 1 - shift]
+    if bias_C is not None:
+        y_SC = y_SC + bias_C
+    if activation is not None:
+        y_SC = F.silu(y_SC)
+    new_tail_SWC = torch.cat([tail_SWC[:, 1:], x_SC[:, None].to(tail_SWC.dtype)], dim=1)
+    return y_SC.to(x_SC.dtype), new_tail_SWC

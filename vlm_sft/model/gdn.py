@@ -18,6 +18,9 @@ triangular solve and the scan entirely. Log decays are floored at ``LOG_DECAY_FL
 values are tens of times slower on CPUs; the floor is far below fp32 resolution). ``naive_recurrent_gated_delta_rule``
 is the token-by-token reference the tests hold both against.
 
+Incremental decoding (``vlm_sft.model.decode``): ``final_states`` gives each segment's state after a prefill (the
+chunked algebra without the outputs, on every backend) and ``recurrent_step`` advances S sequences by one token each.
+
 Legend: T = total tokens of the flattened batch, H = heads (value heads), K = key dim, V = value dim,
 N = chunks over all segments, C = chunk size, S = segments.
 """
@@ -29,7 +32,7 @@ import logging
 
 import torch
 
-from vlm_sft.model.varlen import Segments, gather_rows, grouped_chunk_layout
+from vlm_sft.model.varlen import Segments, chunk_layout, gather_rows, grouped_chunk_layout
 
 logger = logging.getLogger(__name__)
 
@@ -294,3 +297,99 @@ def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments: Segments, use_qk_
         cu_seqlens_cpu=segments.cu_seqlens_cpu,  # chunk indices from the host copy: no device-to-host read
     )
     return o.squeeze(0)
+
+
+# ------------------------------------------------------------------------------------- incremental decoding
+
+
+def final_states(
+    q_THK: torch.Tensor,
+    k_THK: torch.Tensor,
+    v_THV: torch.Tensor,
+    g_TH: torch.Tensor,
+    beta_TH: torch.Tensor,
+    segments: Segments,
+    *,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """Each segment's recurrent state after its last token, ``[S, H_v, K, V]`` (zero for an empty segment).
+
+    A prefill needs the state a segment ends with, to continue it one token at a time (``recurrent_step``); the
+    chunked kernels return outputs only. This is their algebra without the output reads: every segment padded to
+    whole chunks of the step-major ``chunk_layout``, the intra-chunk terms of all chunks at once (``_intra``, the UT
+    transform through ``UnitLowerSolve``), then the inter-chunk scan of ``_chunked_scan``, one batched matmul per step,
+    keeping each segment's state when its last chunk is done. Padding rows are zeros (``g = 0``, ``k = beta = 0``):
+    they neither decay nor write the state. Pure torch, so every backend (fla included) gets its states here.
+
+    Arguments as ``gated_delta_rule``'s; the state never reads ``q`` (it is taken for the same signature). Computed
+    in float32 (float64 for float64 inputs), whatever the inputs' dtype, and returned so.
+    """
+    _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
+    segments.check_tokens(v_THV.shape[0], "final_states")
+    q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
+    _, k, v, g, beta = _prepare(q_THK, k_THK, v_THV, g_TH, beta_TH, use_qk_l2norm)
+    lengths, (_, num_heads, v_dim), k_dim = segments.lengths, v.shape, k.shape[-1]
+    states_SHKV = v.new_zeros(len(lengths), num_heads, k_dim, v_dim)
+    layout = chunk_layout(lengths, chunk_size, torch.device(v.device))
+    if layout.num_chunks == 0:
+        return states_SHKV
+    packed_THF = torch.cat([k, v, g[..., None], beta[..., None]], dim=-1)
+    x = gather_rows(packed_THF, layout.slot_to_token).view(layout.num_chunks, chunk_size, num_heads, -1).transpose(1, 2)
+    k_NHCK, v_NHCV, g_NHC, beta_NHC = x.split([k_dim, v_dim, 1, 1], dim=-1)
+    g_NHC, beta_NHC = g_NHC.squeeze(-1), beta_NHC.squeeze(-1)
+    # _intra's q only feeds its output matrix ``attn``, which the state does not use: k stands in for it.
+    gcum_NHC, kbeta_NHCK, a_NHCC, _ = _intra(k_NHCK, k_NHCK, g_NHC, beta_NHC)
+    rhs = torch.cat([v_NHCV * beta_NHC[..., None], kbeta_NHCK * _exp(gcum_NHC)[..., None]], dim=-1)
+    u_NHCV, w_NHCK = UnitLowerSolve.apply(a_NHCC, rhs).split([v_dim, k_dim], dim=-1)
+    kdec_NHCK = k_NHCK * _exp(gcum_NHC[..., -1:] - gcum_NHC)[..., None]
+    sizes = list(layout.step_sizes)
+    u_steps, w_steps, kdec_steps = u_NHCV.split(sizes), w_NHCK.split(sizes), kdec_NHCK.split(sizes)
+    decay_steps = _exp(gcum_NHC[..., -1]).split(sizes)
+    state = kdec_steps[0].transpose(-1, -2) @ u_steps[0]  # every segment's first chunk starts from a zero state
+    done = []  # states of the segments whose last chunk was the previous step (the highest ranks still running)
+    for j in range(1, len(sizes)):
+        done.append(state[sizes[j] :])
+        state = state[: sizes[j]]
+        v_new = u_steps[j] - w_steps[j] @ state
+        state = state * decay_steps[j][..., None, None] + kdec_steps[j].transpose(-1, -2) @ v_new
+    done.append(state)
+    by_rank = torch.cat(done[::-1])  # ranks 0, 1, ...: the segments with chunks, most chunks first
+    # chunk_layout's ranking: by chunk count, most first, ties in packing order (a stable sort).
+    n_chunks = [-(-n // chunk_size) for n in lengths]
+    ranked = sorted((s for s in range(len(lengths)) if n_chunks[s]), key=lambda s: -n_chunks[s])
+    return states_SHKV.index_copy(0, torch.tensor(ranked, device=v.device), by_rank)
+
+
+def recurrent_step(
+    q_SHK: torch.Tensor,
+    k_SHK: torch.Tensor,
+    v_SHV: torch.Tensor,
+    g_SH: torch.Tensor,
+    beta_SH: torch.Tensor,
+    state_SHKV: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of S sequences from their states: ``(o_SHV in v's dtype, new state_SHKV)``.
+
+    The recurrence of the module docstring, once (the math of ``naive_recurrent_gated_delta_rule``'s inner loop,
+    batched over sequences), with the same l2 norm and ``K ** -0.5`` query scale as the chunked kernels
+    (``_prepare``). ``q``/``k`` carry the key heads as in ``gated_delta_rule``. The state is computed and returned in
+    float32 (float64 for float64 inputs): a bf16 state would lose the small updates of a long generation.
+    """
+    _check_shapes(q_SHK, k_SHK, v_SHV, g_SH, beta_SH)
+    num_seqs, num_heads, v_dim = v_SHV.shape
+    if state_SHKV.shape != (num_seqs, num_heads, q_SHK.shape[-1], v_dim):
+        raise ValueError(
+            f"recurrent_step: state must be [S, H_v, K, V] = {(num_seqs, num_heads, q_SHK.shape[-1], v_dim)}, "
+            f"got {tuple(state_SHKV.shape)}"
+        )
+    q_SHK, k_SHK = _repeat_to_value_heads(q_SHK, k_SHK, num_heads)
+    q, k, v, g, beta = _prepare(q_SHK, k_SHK, v_SHV, g_SH, beta_SH, use_qk_l2norm)
+    state = state_SHKV.to(v.dtype) * g.exp()[..., None, None]
+    recalled_SHV = (k[..., None, :] @ state).squeeze(-2)  # what the decayed state recalls for k
+    delta_SHV = (v - recalled_SHV) * beta[..., None]
+    state = state + k[..., :, None] * delta_SHV[..., None, :]
+    o_SHV = (q[..., None, :] @ state).squeeze(-2)
+    return o_SHV.to(v_SHV.dtype), state

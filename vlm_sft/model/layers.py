@@ -15,6 +15,8 @@ W = conv kernel width, R = rotary dims.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,10 +25,13 @@ from transformers import Qwen3_5TextConfig
 from vlm_sft.model.attention import varlen_attention
 from vlm_sft.model.backends import Backends
 from vlm_sft.model.context_parallel import NO_CP, ContextParallel, kv_heads_layout, qkv_channels, qkv_rank_order
-from vlm_sft.model.conv import causal_conv1d
-from vlm_sft.model.gdn import gated_delta_rule
+from vlm_sft.model.conv import causal_conv1d, conv_step, conv_tail
+from vlm_sft.model.gdn import final_states, gated_delta_rule, recurrent_step
 from vlm_sft.model.rotary import apply_partial_rotary
 from vlm_sft.model.varlen import Segments
+
+if TYPE_CHECKING:
+    from vlm_sft.model.decode import AttnCache, LinearAttnCache
 
 
 class RMSNorm(nn.Module):
@@ -136,10 +141,18 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
 
     def forward(
-        self, x_TD: torch.Tensor, segments: Segments, backends: Backends, cp: ContextParallel = NO_CP
+        self,
+        x_TD: torch.Tensor,
+        segments: Segments,
+        backends: Backends,
+        cp: ContextParallel = NO_CP,
+        cache: LinearAttnCache | None = None,
     ) -> torch.Tensor:
         """``x_TD``: this rank's tokens; under context parallelism (``cp``) the conv and the rule run on the whole
-        sequence for this rank's block of heads, between two all-to-alls (``context_parallel``)."""
+        sequence for this rank's block of heads, between two all-to-alls (``context_parallel``).
+
+        ``cache`` (``decode``, never with ``cp``): unfilled, the forward runs as usual and stores each segment's conv
+        tail and final state; filled, ``x_TD`` is one token per sequence and each op takes one recurrent step."""
         t = x_TD.shape[0]
         qkv_TC, b_TH, a_TH = self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
         channels = None
@@ -147,7 +160,13 @@ class GatedDeltaNet(nn.Module):
             qkv_TC, b_TH, a_TH = self._to_head_shard(qkv_TC, b_TH, a_TH, cp)
             channels = qkv_channels(self.key_dim, self.value_dim, cp.rank, cp.size, qkv_TC.device)
         T, n_k, n_v = qkv_TC.shape[0], self.num_k_heads // cp.size, self.num_v_heads // cp.size
-        qkv_TC = self.conv1d(qkv_TC, segments, backends.conv, channels)
+        step = cache is not None and cache.filled
+        if step:
+            qkv_TC, cache.conv_tail_SWC = conv_step(qkv_TC, cache.conv_tail_SWC, *self._conv_params())
+        else:
+            if cache is not None:
+                cache.conv_tail_SWC = conv_tail(qkv_TC, segments, self.conv1d.weight.shape[-1])
+            qkv_TC = self.conv1d(qkv_TC, segments, backends.conv, channels)
         q_TC, k_TC, v_TC = torch.split(qkv_TC, [n_k * self.head_k_dim] * 2 + [n_v * self.head_v_dim], dim=-1)
         q_THK = q_TC.reshape(T, n_k, self.head_k_dim)
         k_THK = k_TC.reshape(T, n_k, self.head_k_dim)
@@ -155,15 +174,24 @@ class GatedDeltaNet(nn.Module):
         heads = slice(cp.rank * n_v, (cp.rank + 1) * n_v)
         # Log decay in float32: exp(A_log) of a bf16 A_log would be coarse, and fp16 overflows.
         g_TH = -self.A_log[heads].float().exp() * F.softplus(a_TH.float() + self.dt_bias[heads])
-        o_THV = gated_delta_rule(
-            q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments, backend=backends.linear_attention,
-            use_qk_l2norm=True,
-        )  # fmt: skip
+        if step:
+            o_THV, cache.state_SHKV = recurrent_step(q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), cache.state_SHKV)
+        else:
+            o_THV = gated_delta_rule(
+                q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments, backend=backends.linear_attention,
+                use_qk_l2norm=True,
+            )  # fmt: skip
+            if cache is not None:
+                cache.state_SHKV = final_states(q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments)
         if cp.active:
             o_THV = cp.heads_to_seq(o_THV)
         z_THV = self.in_proj_z(x_TD).reshape(t, self.num_v_heads, self.head_v_dim)
         o_THV = self.norm(o_THV.reshape(-1, self.head_v_dim), z_THV.reshape(-1, self.head_v_dim))
         return self.out_proj(o_THV.reshape(t, self.value_dim))
+
+    def _conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The short conv's ``(weight_CW, bias_C)`` for ``conv_step``."""
+        return self.conv1d.weight.squeeze(1), self.conv1d.bias
 
     def _to_head_shard(self, qkv_tC, b_tH, a_tH, cp: ContextParallel):
         """One all-to-all for q, k, v (three channel blocks per rank), beta and the decay input."""
@@ -206,9 +234,13 @@ class GatedAttention(nn.Module):
         segments: Segments,
         backends: Backends,
         cp: ContextParallel = NO_CP,
+        cache: AttnCache | None = None,
     ) -> torch.Tensor:
         """``x_TD``: this rank's tokens; under context parallelism the attention runs on the whole sequence for
-        this rank's query heads (and their kv heads), between two all-to-alls (Ulysses)."""
+        this rank's query heads (and their kv heads), between two all-to-alls (Ulysses).
+
+        ``cache`` (``decode``, never with ``cp``): unfilled, the forward runs as usual and stores each segment's keys
+        and values; filled, ``x_TD`` is one token per sequence, attending over its cached keys and its own."""
         T = x_TD.shape[0]
         q_THD, gate_THD = self.q_proj(x_TD).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q_THD = apply_partial_rotary(self.q_norm(q_THD), cos_TR, sin_TR)
@@ -220,7 +252,12 @@ class GatedAttention(nn.Module):
         k_THD, v_THD = k_THD.to(q_THD.dtype), v_THD.to(q_THD.dtype)
         if cp.active:
             q_THD, k_THD, v_THD = self._to_head_shard(q_THD, k_THD, v_THD, cp)
-        o_THD = varlen_attention(q_THD, k_THD, v_THD, segments, scale=self.scaling, backend=backends.attention)
+        if cache is not None and cache.filled:
+            o_THD = cache.attend(q_THD, k_THD, v_THD, self.scaling)
+        else:
+            o_THD = varlen_attention(q_THD, k_THD, v_THD, segments, scale=self.scaling, backend=backends.attention)
+            if cache is not None:
+                cache.fill(k_THD, v_THD, segments)
         if cp.active:
             o_THD = cp.heads_to_seq(o_THD)
         o_TD = o_THD.reshape(T, self.num_heads * self.head_dim) * torch.sigmoid(gate_THD.reshape(T, -1))
@@ -270,12 +307,14 @@ class DecoderLayer(nn.Module):
         segments: Segments,
         backends: Backends,
         cp: ContextParallel = NO_CP,
+        cache: LinearAttnCache | AttnCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``cache``: this layer's decoding cache (``decode``), handed to its token mixer; None in training."""
         h_TD = self.input_layernorm(x_TD)
         if self.layer_type == "linear_attention":
-            h_TD = self.linear_attn(h_TD, segments, backends, cp)
+            h_TD = self.linear_attn(h_TD, segments, backends, cp, cache)
         else:
-            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends, cp)
+            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends, cp, cache)
         x_TD = x_TD + h_TD
         if self.moe_mlp:
             mlp_TD, router_logits_TE = self.mlp(self.post_attention_layernorm(x_TD), backends.experts)

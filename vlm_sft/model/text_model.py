@@ -2,12 +2,15 @@
 
 It takes already-embedded tokens on the flattened layout (so the composite model can scatter image features in
 first), the ``[3, T]`` MRoPE positions and the segment boundaries, and returns the final-normed hidden states.
-No KV cache, no attention mask: segment boundaries are the only structure, and every layer honours them.
+No attention mask: segment boundaries are the only structure, and every layer honours them. Generation passes a
+``decode.DecodeCache`` (prefill, then one token per sequence per call); training never does.
 
 Legend: T = tokens (all rows flattened), D = hidden size, R = rotary dims.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,6 +23,9 @@ from vlm_sft.model.layers import DecoderLayer, RMSNorm
 from vlm_sft.model.moe import SparseMoeBlock, is_moe_text_config
 from vlm_sft.model.rotary import MRopeRotary
 from vlm_sft.model.varlen import Segments
+
+if TYPE_CHECKING:
+    from vlm_sft.model.decode import DecodeCache
 
 
 class Qwen3_5TextDecoder(nn.Module):
@@ -52,15 +58,19 @@ class Qwen3_5TextDecoder(nn.Module):
         segments: Segments,
         backends: Backends,
         cp: ContextParallel = NO_CP,
+        cache: DecodeCache | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(hidden_TD, router_logits)``: the final-normed hidden states, and each MoE layer's router logits
         ``[T, E]`` in order (empty for the dense model). Under context parallelism (``cp``) the tokens and positions
-        are this rank's shard and ``segments`` the whole row's."""
+        are this rank's shard and ``segments`` the whole row's. ``cache``: generation's ``decode.DecodeCache`` (its
+        ``layers[i]`` goes to layer ``i``; never checkpointed, as a recomputed layer would update its cache twice)."""
         cos_TR, sin_TR = self.rotary_emb(position_ids_3T)
         h_TD = embeds_TD
         router_logits: list[torch.Tensor] = []
-        for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+        for i, layer in enumerate(self.layers):
+            if cache is not None:
+                h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends, cp, cache.layers[i])
+            elif self.activation_checkpointing and torch.is_grad_enabled():
                 h_TD, logits_TE = checkpoint(layer, h_TD, cos_TR, sin_TR, segments, backends, cp, use_reentrant=False)
             else:
                 h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends, cp)

@@ -11,6 +11,9 @@ into segments (samples and padding) that never see each other. The vision tower 
 on a dummy image when the batch has none, so every FSDP rank issues the same collectives and a trainable tower
 always gets a (zero) gradient.
 
+Generation (eval) passes a ``decode.DecodeCache``: a prefill of packed prompts, then one token per sequence per call,
+without a full forward per token (``decode``'s docstring).
+
 Legend: B = rows, L = row length, T = B * L tokens, D = hidden size, V = vocab, P = patch rows, N = images.
 """
 
@@ -30,6 +33,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.context_parallel import NO_CP, ContextParallel, check_heads, split_images
+from vlm_sft.model.decode import DecodeCache, cached_logits
 from vlm_sft.model.layers import init_text_weights
 from vlm_sft.model.load_balance import RouterStats, router_stats
 from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
@@ -144,6 +148,7 @@ class Qwen3_5VLM(nn.Module):
         router_mask: torch.Tensor | None = None,
         router_probs_grad: bool = False,
         routing_only: bool = False,
+        cache: DecodeCache | None = None,
     ) -> torch.Tensor | LossOutput | TokenScores | RouterStats:
         """Logits ``[B, L, V]``; with ``target_ids``, ``LossOutput(loss_sum, num_tokens)``, or with ``scores=True``
         ``TokenScores`` (per-token loss and argmax, chunk by chunk: never the whole fp32 logits).
@@ -160,6 +165,11 @@ class Qwen3_5VLM(nn.Module):
         ``router_mask`` (``[B, L]`` bool, the real tokens: ``PackedBatch.real_mask``; None: every token), with the
         router probabilities in the autograd graph when ``router_probs_grad``. ``routing_only=True`` returns just
         those statistics and skips the LM head (the trainer's routing pre-pass).
+
+        ``cache`` (generation, under ``torch.no_grad()``, without context parallelism): a ``decode.DecodeCache``. The
+        first call with it prefills (the inputs above; returns the logits of every segment's last token ``[S, V]``),
+        every later one decodes one token per sequence (``input_ids`` ``[S, 1]``, ``position_ids`` ``[3, S, 1]``, no
+        images; logits ``[S, V]``). Targets, scores and routing are refused with it.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
@@ -168,6 +178,13 @@ class Qwen3_5VLM(nn.Module):
         if loss_mask is None and target_ids is not None:
             loss_mask = target_ids >= 0
         _check_shapes(input_ids, position_ids, mm_token_type_ids, target_ids, loss_mask, router_mask)
+        if cache is not None:
+            unsupported = dict(target_ids=target_ids, loss_mask=loss_mask, scores=scores, router_mask=router_mask)
+            unsupported |= dict(router_probs_grad=router_probs_grad, routing_only=routing_only)
+            return cached_logits(
+                self, cache, input_ids, position_ids, segments, pixel_values, image_grid_thw, mm_token_type_ids,
+                unsupported,
+            )  # fmt: skip
         cp = self.context_parallel
         local = cp.shard if cp.active else (lambda x, dim=0: x)  # under CP: this rank's tokens of the row
         mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(-1)
