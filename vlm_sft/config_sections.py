@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TINY_MODEL = "tiny"
 """``model.name_or_path`` value that builds the offline tiny Qwen3.5 preset instead of loading a checkpoint."""
@@ -283,8 +283,24 @@ class TrainConfig(_Section):
     """Steps between metrics lines."""
     eval_every: int | None = Field(None, ge=1)
     """Steps between evals; None: eval at the end only."""
-    report_to: list[Literal["tensorboard", "wandb"]] = []
-    """Extra metric sinks beside metrics.jsonl."""
+    eval_generate: int = Field(32, ge=0)
+    """Held-out prompts (a fixed, seeded choice) the model answers by greedy generation at every eval, prompted
+    exactly as a server prompts the saved checkpoint; replies in ``samples.jsonl``, exact-match accuracy as
+    ``eval_gen_acc_*`` in metrics.jsonl. 0: teacher-forced eval only."""
+    eval_generate_max_tokens: int = Field(32, ge=1)
+    """Longest generated reply in eval, in tokens (a reply also ends at the end-of-turn token)."""
+    report_to: list[Literal["none", "tensorboard", "wandb", "mlflow", "trackio"]] = ["none"]
+    """Experiment trackers beside metrics.jsonl, through accelerate's tracker classes: ``tensorboard`` (event files
+    in ``<output_dir>/tensorboard``), ``wandb``, ``mlflow``, ``trackio``; ``["none"]`` (or ``[]``) for none. One name
+    alone may be given as a string (``--train.report_to wandb``). Each needs its package (``pip install tensorboard``,
+    or the extra: ``pip install -e ".[tensorboard]"``), checked at start. Rank 0 logs every number of each
+    metrics.jsonl record at its step, the run config once, and generated samples as a table; a resumed run continues
+    the same tracker run (its id is in the checkpoint)."""
+    run_name: str | None = None
+    """The run's name in the trackers (wandb / trackio / mlflow run name); None: the output_dir's folder name."""
+    project: str = "vlm-sft"
+    """wandb and trackio project, mlflow experiment (``MLFLOW_EXPERIMENT_NAME`` in the environment takes precedence,
+    as accelerate reads it)."""
     merge_lora: bool = True
     """LoRA runs: also write ``final/`` as merged full weights (beside ``final/adapter/``); false: the adapter only."""
     check_packing: bool = False
@@ -292,6 +308,28 @@ class TrainConfig(_Section):
     log_all_ranks: bool = False
     """Print INFO log lines on every rank (prefixed with the rank), not only on rank 0; other ranks always print
     warnings and errors."""
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _one_tracker_as_string(cls, value: Any) -> Any:
+        """``--train.report_to wandb`` (a string) is the list of that one name; ``none`` (parsed as None) is none."""
+        if value is None:
+            return ["none"]
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check_report_to(self) -> TrainConfig:
+        names = self.report_to
+        if "none" in names and len(names) > 1:
+            others = [n for n in names if n != "none"]
+            raise ConfigError(
+                f"train.report_to = {names}: 'none' turns the trackers off and cannot be listed with {others}; "
+                f"set train.report_to = {others} (or ['none'] for no tracker)"
+            )
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"train.report_to = {names} lists {repeated} more than once; list each tracker once")
+        return self
 
     @model_validator(mode="after")
     def _check_warmup(self) -> TrainConfig:

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_sft.data.pipeline import EmptyPassError, SkipFractionError
     from vlm_sft.trainer.distributed import PeerFailure
     from vlm_sft.trainer.loop import train
+    from vlm_sft.trainer.trackers import check_installed
 
     rank = int(os.environ.get("RANK", "0"))  # set by torchrun / accelerate launch
     is_main = rank == 0
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
         datasets.disable_progress_bars()
     try:
+        check_installed(cfg.train.report_to)  # a missing tracker package fails now, not after the model is built
         result = train(cfg, dry_run=known.dry_run)
     except ConfigError as err:  # settings that only fail against the machine or the data (e.g. bf16 without CUDA)
         print(f"config error: {err}", file=sys.stderr)
@@ -86,7 +88,20 @@ def main(argv: list[str] | None = None) -> int:
         f"finished {result.steps} steps in {result.wall_time_s:.1f} s ({result.real_tokens_per_s:.0f} real tokens/s); "
         f"checkpoint: {result.final_dir}"
     )
+    plot(cfg.train.output_dir)
     return 0
+
+
+def plot(output_dir: str) -> None:
+    """``run.png`` of a finished run (``vlm_sft.plot``); a plot that cannot be drawn is a warning, never a failure."""
+    from vlm_sft.plot import plot_run
+
+    try:
+        path = plot_run(output_dir)
+    except (OSError, ValueError) as err:
+        print(f"warning: could not draw the run's plot: {err}", file=sys.stderr)
+    else:
+        print(f"plot: {path} (python -m vlm_sft.plot {output_dir} redraws it)")
 
 
 if __name__ == "__main__":

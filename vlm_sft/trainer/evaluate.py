@@ -19,7 +19,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from vlm_sft.config import RunConfig
 from vlm_sft.data.batch import PackedBatch
+from vlm_sft.data.collate import collate
+from vlm_sft.trainer import build
 from vlm_sft.trainer.distributed import DistEnv, all_reduce
 from vlm_sft.trainer.scoring import filler_batch, score_batch
 
@@ -71,3 +74,33 @@ def evaluate(
         if s:
             out[f"eval_acc_{key}"] = c / s
     return out
+
+
+def build_eval_batches(
+    cfg: RunConfig, sources: build.DataSources, renderer, env: DistEnv, pad_id: int
+) -> list[PackedBatch]:
+    """This rank's share of the held-out packs (rows ``rank, rank + world, ...``), packed ``cat`` (``stack`` for a
+    padded run), collated on the CPU once for every eval."""
+    if sources.eval is None:
+        return []
+    pipeline = build.build_pipeline(
+        cfg,
+        sources.eval,
+        renderer,
+        shard=env.rank,
+        num_shards=env.world_size,
+        epochs=1,
+        shuffle=False,
+        packing="stack" if cfg.data.packing == "stack" else "cat",
+    )
+    return [collate([p], pad_id=pad_id) for p in pipeline]
+
+
+def format_eval(step: int, ev: dict) -> str:
+    """The eval line of the log: loss, teacher-forced accuracy per task, generated accuracy per task."""
+    line = f"step {step}: eval loss {ev['eval_loss']:.4f}"
+    for prefix, label in (("eval_acc_", "accuracy"), ("eval_gen_acc_", "generated")):
+        accs = [f"{k.removeprefix(prefix)}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith(prefix)]
+        if accs:
+            line += f"; {label} {' '.join(accs)}"
+    return line

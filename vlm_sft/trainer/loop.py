@@ -42,7 +42,6 @@ from vlm_sft.checkpoint.state import (
 from vlm_sft.config import ConfigError, RunConfig
 from vlm_sft.cpu_threads import set_cpu_threads
 from vlm_sft.data.batch import PackedBatch
-from vlm_sft.data.collate import collate
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.trainer import build
@@ -66,7 +65,8 @@ from vlm_sft.trainer.distributed import (
     set_gradient_sync,
 )
 from vlm_sft.trainer.dry_run import run_dry
-from vlm_sft.trainer.evaluate import evaluate
+from vlm_sft.trainer.evaluate import build_eval_batches, evaluate, format_eval
+from vlm_sft.trainer.generation import GenerationPrompt, evaluate_generation, generation_prompts
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer, peak_memory_mb, step_breakdown
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
 from vlm_sft.trainer.router_balance import RouterBalance, StepRouting, routing_metrics
@@ -120,6 +120,8 @@ class Run:
     weights_source: CheckpointIndex | None = None
     """The HF checkpoint the run started from (None: a random-init preset): the export writes each tensor in its
     dtype and copies its ``mtp.*`` head back."""
+    generation: list[GenerationPrompt] = field(default_factory=list)
+    """Held-out prompts every eval answers by generation (``train.eval_generate``; the same on every rank)."""
     timer: StepTimer = field(init=False)
     vision_timer: ModuleTimer = field(init=False)
 
@@ -153,6 +155,7 @@ def train(cfg: RunConfig, *, dry_run: bool = False) -> RunResult:
     t_start = time.perf_counter()
     env = init_distributed(cfg.train.device)
     finished = False
+    run = None
     try:
         run = setup(cfg, env)
         if dry_run:
@@ -164,6 +167,8 @@ def train(cfg: RunConfig, *, dry_run: bool = False) -> RunResult:
         final_dir = export_final(run.out_dir / "final", run.model, run.processor, env, cfg, source=run.weights_source)
         finished = True
     finally:
+        if run is not None:  # the tracker runs end with the run, also after a dry run or a failure
+            run.metrics.close()
         cleanup(env, finished=finished)
     wall = time.perf_counter() - t_start
     tok_s = real_tokens / max(train_time, 1e-9)
@@ -228,7 +233,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
             pin_memory=env.device.type == "cuda",
             log=env.is_main,
         )
-        eval_batches = _eval_batches(cfg, sources, renderer, env, pad_id)
+        eval_batches = build_eval_batches(cfg, sources, renderer, env, pad_id)
+        generation = generation_prompts(cfg, sources, renderer)
         metrics = MetricsLogger(
             out_dir,
             enabled=env.is_main,
@@ -236,11 +242,14 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
             start_step=step,
             report_to=list(cfg.train.report_to),
             run_config=cfg.to_dict(),
+            run_name=cfg.train.run_name,
+            project=cfg.train.project,
+            tracker_state=saved.extra.get("trackers") if saved is not None else None,  # continue the tracker runs
         )
     accounting = RunAccounting(out_dir, env, train_batches, replica=cp.rank > 0)
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
-        metrics, total_steps, step, compute_dtype, balance, cp, build.weights_source(cfg),
+        metrics, total_steps, step, compute_dtype, balance, cp, build.weights_source(cfg), generation,
     )  # fmt: skip
 
 
@@ -298,22 +307,6 @@ def _resume(
     scheduler.load_state_dict(state.scheduler)
     restore_rng(state.rng)
     return state.step, state.data
-
-
-def _eval_batches(cfg: RunConfig, sources: build.DataSources, renderer, env: DistEnv, pad_id: int) -> list[PackedBatch]:
-    if sources.eval is None:
-        return []
-    pipeline = build.build_pipeline(
-        cfg,
-        sources.eval,
-        renderer,
-        shard=env.rank,
-        num_shards=env.world_size,
-        epochs=1,
-        shuffle=False,
-        packing="stack" if cfg.data.packing == "stack" else "cat",
-    )
-    return [collate([p], pad_id=pad_id) for p in pipeline]
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -449,23 +442,26 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
 
 
 def _evaluate(run: Run) -> dict:
-    """Eval of every rank's own share of the held-out packs, whole rows per rank (context parallelism off)."""
+    """Eval of every rank's own share of the held-out packs, whole rows per rank, then the generated replies to the
+    run's held-out prompts (``trainer.generation``), context parallelism off for both."""
     run.model.set_context_parallel(NO_CP)
+    samples: list[dict] = []
     try:
         result = evaluate(run.model, run.eval_batches, env=run.env, sample_tasks=run.sources.eval_tasks)
+        if run.generation:
+            generated, samples = evaluate_generation(
+                run.model, run.generation, run.env, run.processor.tokenizer, step=run.step,
+                max_new_tokens=run.cfg.train.eval_generate_max_tokens, token_budget=run.cfg.data.pack_len,
+                task_names=sorted(set(run.sources.eval_tasks.values())),
+            )  # fmt: skip
+            result.update(generated)
     finally:
         run.model.set_context_parallel(run.cp)
     with all_ranks_or_none(run.env, "writing the eval metrics"):
         run.metrics.log({"step": run.step, **result})
-        run.metrics.write(_format_eval(run.step, result))
+        run.metrics.log_samples(run.step, samples)
+        run.metrics.write(format_eval(run.step, result))
     return result
-
-
-def _format_eval(step: int, ev: dict) -> str:
-    accs = " ".join(
-        f"{k.removeprefix('eval_acc_')}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith("eval_acc_")
-    )
-    return f"step {step}: eval loss {ev['eval_loss']:.4f}; accuracy {accs}"
 
 
 def _save(run: Run) -> None:
@@ -476,7 +472,10 @@ def _save(run: Run) -> None:
         scheduler=run.scheduler.state_dict(),
         data=run.train_batches.state_dict(),
         rng=capture_rng(),
-        extra={"base": getattr(run.model, "base_fingerprint", None)},  # LoRA: the frozen base the adapters sit on
+        extra={
+            "base": getattr(run.model, "base_fingerprint", None),  # LoRA: the frozen base the adapters sit on
+            "trackers": run.metrics.tracker_state(),  # rank 0's (the rank that writes this): what a resume continues
+        },
     )
     save_checkpoint(
         run.out_dir,

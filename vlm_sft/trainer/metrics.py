@@ -1,4 +1,5 @@
-"""Metrics: one JSON line per logged step in ``metrics.jsonl``, progress on rank 0, optional tensorboard / wandb.
+"""Metrics: one JSON line per logged step in ``metrics.jsonl``, progress on rank 0, optional experiment trackers
+(``train.report_to``: TensorBoard, W&B, MLflow, trackio; ``trainer.trackers``).
 
 Progress is a tqdm bar in a terminal. Where stderr is a file or a pipe (a cluster job, ``nohup ... > log``) a bar
 redrawn per step would write a line per step; there progress is one plain line per metrics record instead.
@@ -11,12 +12,15 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 from tqdm.auto import tqdm
+
+from vlm_sft.trainer.trackers import RunInfo, Trackers
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,10 @@ class MetricsLogger:
 
     ``stream`` (default stderr) takes the progress; ``is_tty`` (default ``stream.isatty()``) picks the tqdm bar or
     the plain lines. Both are parameters so that tests can drive either mode.
+
+    Trackers (``report_to``, ``trainer.trackers``) start here, on rank 0: ``run_config`` is stored in a new tracker
+    run, ``run_name`` names it (None: the output_dir's folder name) in ``project``; ``tracker_state`` is what
+    ``tracker_state()`` returned when the resumed checkpoint was written (None: new tracker runs).
     """
 
     def __init__(
@@ -53,37 +61,38 @@ class MetricsLogger:
         enabled: bool,
         total_steps: int,
         start_step: int = 0,
-        report_to: list[str] = (),
+        report_to: Sequence[str] = (),
         run_config: dict | None = None,
+        run_name: str | None = None,
+        project: str = "vlm-sft",
+        tracker_state: dict | None = None,
         stream: TextIO | None = None,
         is_tty: bool | None = None,
     ) -> None:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self.samples_path = Path(output_dir) / "samples.jsonl"
+        """Generated eval replies, one JSON line each (``log_samples``)."""
         self.stream = stream if stream is not None else sys.stderr
         self.is_tty = self.stream.isatty() if is_tty is None else is_tty
         self.total_steps = total_steps
         self._start_step, self._t0 = start_step, time.perf_counter()
         self._bar = None
-        self._sinks: list[Any] = []
+        self._trackers: Trackers | None = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if start_step == 0 and self.path.exists():
-            self.path.unlink()
-        elif start_step > 0 and self.path.exists():
-            self._truncate_after(start_step)
+        for path in (self.path, self.samples_path):
+            if start_step == 0 and path.exists():
+                path.unlink()
+            elif start_step > 0 and path.exists():
+                _truncate_after(path, start_step)
         if self.is_tty:
             self._bar = tqdm(
                 total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True, file=self.stream
             )
-        for sink in report_to:
-            self._sinks.append(_make_sink(sink, Path(output_dir), run_config or {}))
-
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines logged after the checkpoint so the file reads as one uninterrupted run."""
-        kept = [line for line in self.path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        run = RunInfo(Path(output_dir), run_name or Path(output_dir).resolve().name, project, start_step)
+        self._trackers = Trackers(report_to, run, config=run_config, state=tracker_state)
 
     def advance(self, n: int = 1, **postfix: float) -> None:
         if self._bar is not None:
@@ -97,8 +106,8 @@ class MetricsLogger:
         record = {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in record.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        for sink in self._sinks:
-            sink(record)
+        if self._trackers:
+            self._trackers.log(record)
         if not self.is_tty and "loss" in record and "step" in record:
             self._print(self._progress_line(record))
 
@@ -128,41 +137,39 @@ class MetricsLogger:
         else:
             self._print(message)
 
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Generated samples (keys ``step, prompt, images, reference, reply`` and maybe ``correct``) appended to
+        ``samples.jsonl``, and as a table in every tracker that has tables (markdown text in TensorBoard)."""
+        if not self.enabled:
+            return
+        with self.samples_path.open("a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        if self._trackers:
+            self._trackers.log_samples(step, rows)
+
+    def tracker_state(self) -> dict[str, dict]:
+        """What continues this run's tracker runs on resume (JSON, for the checkpoint); ``{}`` without trackers and
+        on ranks other than 0."""
+        return self._trackers.state() if self._trackers is not None else {}
+
     def close(self) -> None:
+        """End the progress bar and the tracker runs (TensorBoard: flush and close its event file)."""
         if self._bar is not None:
             self._bar.close()
+        if self._trackers is not None:
+            self._trackers.finish()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """On resume, drop lines logged after the checkpoint so the file reads as one uninterrupted run."""
+    kept = [line for line in path.read_text().splitlines() if json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in kept))
 
 
 def _short(v: float) -> str:
     if isinstance(v, float) and (abs(v) >= 1e4 or (v != 0 and abs(v) < 1e-3)) and math.isfinite(v):
         return f"{v:.3g}"
     return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
-def _make_sink(name: str, output_dir: Path, run_config: dict):
-    if name == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-
-        writer = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
-
-        def tb(record: dict) -> None:
-            step = int(record.get("step", 0))
-            for k, v in record.items():
-                if isinstance(v, int | float) and k != "step":
-                    writer.add_scalar(k, v, step)
-            writer.flush()
-
-        return tb
-    if name == "wandb":
-        import wandb
-
-        run = wandb.init(config=run_config, dir=str(output_dir))
-
-        def wb(record: dict) -> None:
-            run.log({k: v for k, v in record.items() if isinstance(v, int | float)}, step=int(record.get("step", 0)))
-
-        return wb
-    raise ValueError(f"unknown report_to sink {name!r}; use 'tensorboard' or 'wandb'")
 
 
 class StepTimer:
