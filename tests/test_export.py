@@ -212,6 +212,10 @@ def test_two_rank_save_keeps_rank0_peak_to_a_shard(two_rank_exports):
     assert_same_tensors(load_hf_state_dict(out), load_hf_state_dict(src))
 
 
+GENERATION_CONFIG = {"eos_token_id": [2050, 2048], "pad_token_id": 2048, "temperature": 0.6, "top_p": 0.95}
+"""A base checkpoint's generation settings (stop tokens, sampling defaults), as Qwen's checkpoints ship them."""
+
+
 @pytest.fixture(scope="module")
 def lr0_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     """One optimizer step at learning rate 0 on 2 ranks from each family's bf16 checkpoint (sharded load, FSDP2
@@ -226,6 +230,7 @@ def lr0_runs(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
         base = bf16_checkpoint(tmp / family / "base", family)
         processor = load_tiny_processor()
         save_processor(base, processor, processor.tokenizer)
+        (base / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
         overrides = {"model.name_or_path": str(base), "model.initializer_range": "none", "train.max_steps": 1}
         overrides |= {"train.lr": 0, "data.shapes.root": str(tmp / "shapes")}
         started[family] = (base, Background(tiny_run_args(tmp / family, **overrides), nproc=2))
@@ -240,3 +245,17 @@ def test_a_two_rank_run_at_lr_0_exports_its_bf16_checkpoint_bit_for_bit(lr0_runs
     streamed export writes every tensor back in its own dtype (``mtp.*`` copied, MoE experts split per expert)."""
     base, final = lr0_runs[family]
     assert_same_tensors(load_hf_state_dict(final), load_hf_state_dict(base))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_export_serves_as_the_run_trained(lr0_runs, family):
+    """A server reads ``final/``'s generation settings (the base's, copied: without them vLLM samples at its own
+    defaults) and its chat template, whose default prompt is the run's non-thinking one although the base's is
+    thinking (``renderers.served``)."""
+    from processors import load_processor
+    from renderers.served import default_thinking_mode
+
+    base, final = lr0_runs[family]
+    assert json.loads((final / "generation_config.json").read_text()) == GENERATION_CONFIG
+    assert default_thinking_mode(load_processor(base).chat_template) is True
+    assert default_thinking_mode(load_processor(final).chat_template) is False

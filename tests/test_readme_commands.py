@@ -124,6 +124,17 @@ COMMANDS: dict[str, Run | Covered] = {
         set_flags=(("--main_process_port", "{port}"), ("--num_processes", "2")),
         env=(("MASTER", "127.0.0.1"),),
     ),
+    "python -m vlm_sft.generate outputs/debug/final --data data/shapes/seed0-size64/eval.jsonl": Covered(
+        "tests/test_generation.py asks a trained tiny run's final/ over its held-out file with the same command",
+        ("tests/test_generation.py", '"-m", "vlm_sft.generate", str(final), "--data"'),
+    ),
+    (
+        "python -m vlm_sft.generate outputs/debug/final --image data/shapes/seed0-size64/images/eval-000001.png "
+        '--prompt "What colour is the shape?"'
+    ): Covered(
+        "tests/test_generation.py::test_one_question_about_an_image_from_the_command_line",
+        ("tests/test_generation.py", "def test_one_question_about_an_image_from_the_command_line"),
+    ),
     "bash bench/gpu.sh": Covered(
         "GPU only (the GPU session runs it); its parts run on the CPU in tests/test_gpu_check.py",
         ("tests/test_gpu_check.py", '"bench/gpu.sh", "--cpu-smoke"'),

@@ -283,10 +283,10 @@ class TrainConfig(_Section):
     """Steps between metrics lines."""
     eval_every: int | None = Field(None, ge=1)
     """Steps between evals; None: eval at the end only."""
-    eval_generate: int = Field(32, ge=0)
-    """Held-out prompts (a fixed, seeded choice) the model answers by greedy generation at every eval, prompted
-    exactly as a server prompts the saved checkpoint; replies in ``samples.jsonl``, exact-match accuracy as
-    ``eval_gen_acc_*`` in metrics.jsonl. 0: teacher-forced eval only."""
+    eval_generate: int = Field(64, ge=0)
+    """Held-out prompts (a fixed, seeded choice; all of them when there are fewer) the model answers by greedy
+    generation at every eval, on the decode cache, prompted exactly as a server prompts the saved checkpoint; replies
+    in ``samples.jsonl``, exact-match accuracy as ``eval_gen_acc_*`` in metrics.jsonl. 0: teacher-forced eval only."""
     eval_generate_max_tokens: int = Field(32, ge=1)
     """Longest generated reply in eval, in tokens (a reply also ends at the end-of-turn token)."""
     report_to: list[Literal["none", "tensorboard", "wandb", "mlflow", "trackio"]] = ["none"]

@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -433,10 +434,22 @@ def export_final(
     merge = cfg.train.merge_lora if merge is None else merge
     if lora is not None:
         export_adapter(model, directory / "adapter", env=env, lora=lora, base_model_name_or_path=cfg.model.name_or_path)
+        with all_ranks_or_none(env, f"writing the processor into {directory / 'adapter'}"):
+            if env.is_main:  # the run's chat template (its thinking default) travels with the adapter too
+                save_processor(directory / "adapter", processor, processor.tokenizer)
         if not merge:
             return directory
     export_hf(model, directory, env=env, source=source, lora=lora)
     with all_ranks_or_none(env, f"writing the processor into {directory}"):
         if env.is_main:
             save_processor(directory, processor, processor.tokenizer)
+            _copy_generation_config(source, directory)
     return directory
+
+
+def _copy_generation_config(source: CheckpointIndex | None, directory: Path) -> None:
+    """The base checkpoint's ``generation_config.json`` (its stop tokens and sampling defaults, which servers such as
+    vLLM read) copied unchanged; a random-init preset has none, and transformers then stops at the config's eos."""
+    found = None if source is None else source.path / "generation_config.json"
+    if found is not None and found.is_file():
+        shutil.copyfile(found, directory / "generation_config.json")
