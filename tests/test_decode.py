@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from packing_helpers import make_sample, packed_row
+from packing_helpers import alone_logits, make_sample, packed_row
 from torch.distributed.utils import _apply_to_tensors
 
 from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
@@ -152,13 +152,7 @@ def _extend(sample, token: int, pos_3: torch.Tensor) -> dict:
 
 def _last_logits(model, s) -> torch.Tensor:
     """The last position's logits of a plain forward of ``s`` alone (no cache)."""
-    return model(
-        s["input_ids"][None],
-        position_ids=s["position_ids"][:, None],
-        mm_token_type_ids=s["mm_token_type_ids"][None],
-        pixel_values=s["pixel_values"],
-        image_grid_thw=s["image_grid_thw"],
-    )[0, -1]
+    return alone_logits(model, s)[-1]
 
 
 def _dense(dtype=torch.float32):

@@ -55,12 +55,14 @@ def _transformers_replies(final: Path, data: Path, out: Path, *extra: str) -> di
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """dense (1 process x 2 micro-batches), dense_2ranks (2 processes x 1: the same global batch), moe, lora."""
+    """dense (1 process x 2 micro-batches), dense_2ranks (2 processes x 1: the same global batch), dense_cp2 (2
+    processes splitting each row, x 2 micro-batches: the same global batch again), moe, lora."""
     root = tmp_path_factory.mktemp("generation")
     shapes = {"data.shapes.root": str(root / "shapes")}
     plans = {
         "dense": ({"train.micro_batches": 2}, 1),
         "dense_2ranks": ({"train.micro_batches": 1}, 2),
+        "dense_cp2": ({"train.micro_batches": 2, "train.cp_size": 2}, 2),
         "moe": ({"model.name_or_path": "tiny-moe", "train.micro_batches": 2}, 1),
         "lora": ({"train.micro_batches": 2, "model.lora.r": 8, "model.vlm.freeze_vision": True, "train.lr": 4e-3}, 1),
     }
@@ -119,17 +121,23 @@ def test_one_question_about_an_image_from_the_command_line(runs):
 
 
 @pytest.mark.slow
-def test_two_ranks_generate_what_one_rank_generates(runs):
+@pytest.mark.parametrize("name", ["dense_2ranks", "dense_cp2"])
+def test_two_ranks_generate_what_one_rank_generates(runs, name):
     """The same global batch on 2 processes trains the same model; its eval deals the prompts to both ranks (in
-    step: one rank finishes first and keeps decoding fillers) and writes the same replies and accuracies."""
-    one, two = runs["dense"], runs["dense_2ranks"]
+    step: one rank finishes first and keeps decoding fillers) and writes the same replies and accuracies. Under
+    context parallelism the eval runs whole prompts per rank with CP switched off, as the teacher-forced eval does."""
+    one, two = runs["dense"], runs[name]
     for step in (STEPS // 2, STEPS):
         a, b = _samples(one, step), _samples(two, step)
         assert a.keys() == b.keys()
         assert [a[i]["reply"] for i in a] == [b[i]["reply"] for i in a]
-    gen = [{k: v for k, v in r.items() if k.startswith("eval_gen_acc")} for r in read_metrics(one) if "eval_loss" in r]
-    gen2 = [{k: v for k, v in r.items() if k.startswith("eval_gen_acc")} for r in read_metrics(two) if "eval_loss" in r]
-    assert gen == gen2 and gen[-1]
+
+    def generated(run: Path) -> list[dict]:
+        return [
+            {k: v for k, v in r.items() if k.startswith("eval_gen_acc")} for r in read_metrics(run) if "eval_loss" in r
+        ]
+
+    assert generated(one) == generated(two) and generated(one)[-1]
 
 
 @pytest.mark.slow

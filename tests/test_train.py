@@ -184,6 +184,10 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
         "train.warmup_steps": 2,
         "data.shapes.num_train": 96,
         "data.num_workers": 2,
+        "data.shapes.num_eval": 6,
+        "train.eval_every": 3,
+        "train.eval_generate": 6,
+        "train.eval_generate_max_tokens": 4,
     }
     reference = tmp_path / "ref"
     uninterrupted = Background(tiny_run_args(reference, **common))  # beside the victim: independent runs
@@ -198,6 +202,9 @@ def test_resume_after_sigkill_equals_uninterrupted(tmp_path):
     run_training([*args, "--train.resume", "latest"])
     got = deterministic(read_metrics(victim / "run"))
     assert got == expected
+    # The generated eval replies too: samples.jsonl keeps what was written up to the checkpoint, then continues.
+    samples = [(r / "run" / "samples.jsonl").read_text().splitlines() for r in (reference, victim)]
+    assert samples[0] == samples[1] and len(samples[0]) == 6 * 4
     latest = sorted((victim / "run" / "checkpoints").glob("step-*"))[-1]
     assert (latest / "hf" / "config.json").is_file() and (latest / "hf" / "tokenizer.json").is_file()
 

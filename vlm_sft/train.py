@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     known, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     if cfg is None:
         return 2
+    from renderers import TemplateParityError
     from vlm_sft.data.pipeline import EmptyPassError, SkipFractionError
     from vlm_sft.trainer.distributed import PeerFailure
     from vlm_sft.trainer.loop import train
@@ -62,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         result = train(cfg, dry_run=known.dry_run)
     except ConfigError as err:  # settings that only fail against the machine or the data (e.g. bf16 without CUDA)
         print(f"config error: {err}", file=sys.stderr)
+        return 2
+    except TemplateParityError as err:  # the checkpoint's template would not serve what the run trains on
+        print(f"template error: {err}", file=sys.stderr)
         return 2
     except PeerFailure as err:  # another rank failed and printed why; rank 0 says where, the others stop quietly
         if is_main:

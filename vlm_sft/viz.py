@@ -4,7 +4,7 @@ The notebooks in ``notebooks/`` stay a few calls per cell and import only the pr
 code lives here, where it is linted and tested with the package. Plot helpers return a matplotlib ``Figure`` built
 without pyplot (so a figure is shown once, as the cell's value, whatever the backend: ``setup_notebook`` registers
 the png formatter, which also works under ``MPLBACKEND=Agg`` as in CI); text helpers return ``HTML``, which a
-notebook shows rich. matplotlib is a dev dependency, so nothing in the training path imports this module.
+notebook shows rich. Nothing in the training path imports this module (the run's own picture is ``vlm_sft.plot``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,14 @@ import torch
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from processors import load_processor, load_tiny_processor
-from renderers import RenderedSample, check_served_prompt, check_template_parity, get_renderer, served_probes
+from renderers import (
+    RenderedSample,
+    RenderError,
+    check_served_prompt,
+    check_template_parity,
+    get_renderer,
+    served_probes,
+)
 from renderers.served import default_thinking_mode, last_reply_reasons, with_thinking_default
 from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, TINY_MOE_MODEL, ConfigError, RunConfig
 from vlm_sft.data.image_roots import ImageRoots
@@ -95,7 +102,7 @@ def check_served_template(cfg: RunConfig, processor: Any, renderer: Any, source:
     if not warn or isinstance(source, StreamedSource) or not len(source):
         return
     rows = range(min(len(source), THINKING_PROBE_ROWS))
-    reasoning = sum(last_reply_reasons(source[i].messages) for i in rows)
+    reasoning = sum(_reasons(source, i) for i in rows)
     if not cfg.data.enable_thinking and reasoning > len(rows) / 2:
         logger.warning(
             "%d of the first %d training rows end in a reply with reasoning, but data.enable_thinking = false: the "
@@ -111,6 +118,15 @@ def check_served_template(cfg: RunConfig, processor: Any, renderer: Any, source:
             "false for data without reasoning",
             len(rows),
         )
+
+
+def _reasons(source: ConversationSource, index: int) -> bool:
+    """Whether row ``index``'s last reply reasons; a row that does not load says no (the data pipeline skips and
+    reports it with its reason)."""
+    try:
+        return last_reply_reasons(source[index].messages)
+    except RenderError:
+        return False
 
 
 @dataclass(frozen=True)

@@ -270,7 +270,8 @@ def evaluate_generation(
     rank (they fix the layout of the reduced tallies)."""
     start = time.perf_counter()
     mine = list(prompts[env.rank :: env.world_size])
-    stop_ids = [i for i in tokenizer.convert_tokens_to_ids(list(STOP_TOKENS)) if i is not None and i >= 0]
+    ids = tokenizer.convert_tokens_to_ids(list(STOP_TOKENS))
+    stop_ids = [i for i in ids if i is not None and i >= 0 and i != tokenizer.unk_token_id]
     tokens = generate(
         model, [p.sample for p in mine], env, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
         token_budget=token_budget,
