@@ -146,6 +146,11 @@ def test_eval_replies_equal_transformers_generate_on_the_export(runs, name, tmp_
     theirs = _transformers_replies(run / "final", _held_out(run), tmp_path / "replies.jsonl")
     for index, row in ours.items():
         assert row["reply"] == theirs[index]["reply"], (index, row["prompt"])
+    if name == "dense":  # the saved template's default prompt is the non-thinking one the run trained
+        explicit = _transformers_replies(
+            run / "final", _held_out(run), tmp_path / "explicit.jsonl", "--enable-thinking", "false"
+        )
+        assert [r["reply"] for r in explicit.values()] == [r["reply"] for r in theirs.values()]
     sentences = [r["reply"] for r in ours.values() if r["reply"].endswith(".") and len(r["reply"].split()) >= 3]
     assert len(sentences) >= len(ours) // 2, [r["reply"] for r in ours.values()]
     assert [r["reply_tokens"] for r in ours.values()] and all(0 < r["reply_tokens"] <= 16 for r in ours.values())
