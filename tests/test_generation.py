@@ -128,6 +128,33 @@ def test_generate_equals_transformers_token_for_token_on_a_random_model(
         assert out[0, inputs["input_ids"].shape[1] :].tolist() == reply
 
 
+def test_held_out_rows_that_do_not_load_or_render_are_counted_not_fatal(renderer, image_files, caplog):
+    """A malformed held-out line (the loader raises), a row without a reply and a missing image are left out of the
+    generation prompts with one warning naming the reasons; the good row is kept."""
+    from renderers import RenderError
+    from vlm_sft.data.sources import Conversation
+    from vlm_sft.trainer.generation import select_prompts
+
+    good = [{"role": "user", "content": [{"type": "image", "image": image_files[0]}, {"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": "Red."}]  # fmt: skip
+    rows = {
+        0: Conversation(good, None, 0),
+        2: Conversation([{"role": "user", "content": "No reply"}], None, 2),
+        3: Conversation([{**good[0], "content": [{"type": "image", "image": "/missing.png"}]}, good[1]], None, 3),
+    }
+
+    class Source(list):
+        def __getitem__(self, index):
+            if index == 1:
+                raise RenderError("malformed_row", "eval.jsonl:2: not valid JSON")
+            return rows[index]
+
+    prompts = select_prompts(Source(range(4)), {}, 4, 0, renderer)
+    assert [(p.index, p.reference, p.images) for p in prompts] == [(0, "Red.", ("shape0.png",))]
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "3 of 4" in warning and "malformed_row" in warning and "no_assistant_turn" in warning
+
+
 def _held_out(run: Path) -> Path:
     config = json.loads((run / "config.json").read_text())
     shapes = config["data"]["shapes"]

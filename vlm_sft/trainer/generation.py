@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from renderers import RenderedSample, RenderError
-from vlm_sft.data.mrope import sample_position_ids
+from vlm_sft.data.mrope import batch_position_ids
 from vlm_sft.model.decode import DecodeCache, decode_position_ids, next_positions
 from vlm_sft.trainer.distributed import DistEnv, all_reduce, gather_objects
 
@@ -100,13 +100,13 @@ def select_prompts(source: Any, tasks: dict[int, str], count: int, seed: int, re
     rows = sorted(random.Random(seed).sample(range(len(source)), min(count, len(source))))
     prompts, skipped = [], Counter()
     for index in rows:
-        conversation = source[index]
-        split = split_last_reply(conversation.messages)
-        if split is None:
-            skipped["no_assistant_turn"] += 1
-            continue
-        messages, reference = split
         try:
+            conversation = source[index]  # a malformed row raises here; the data pipeline reports it too
+            split = split_last_reply(conversation.messages)
+            if split is None:
+                skipped["no_assistant_turn"] += 1
+                continue
+            messages, reference = split
             sample = renderer.render_prompt(messages, tools=conversation.tools, sample_index=index)
         except RenderError as e:
             skipped[e.reason] += 1
@@ -133,24 +133,18 @@ def _prefill_inputs(
 ) -> tuple[dict[str, Any], list[int]]:
     """One packed row of prompts (each its own segment) as ``Qwen3_5VLM.forward`` takes it, and each prompt's first
     decode position (``decode.next_positions``)."""
-    positions = [
-        sample_position_ids(
-            s.mm_token_type_ids,
-            None if s.multi_modal_data is None else s.multi_modal_data.image_grid_thw,
-            spatial_merge_size=merge,
-        )
-        for s in samples
-    ]
     images = [s.multi_modal_data for s in samples if s.multi_modal_data is not None]
     lengths = [len(s) for s in samples]
-    position_ids = torch.cat(positions, dim=1)
+    types = torch.cat([s.mm_token_type_ids for s in samples]).view(1, -1)
+    grids = torch.cat([m.image_grid_thw for m in images]) if images else None
+    position_ids = batch_position_ids(types, grids, lengths, spatial_merge_size=merge)
     inputs = {
         "input_ids": torch.cat([s.token_ids for s in samples]).view(1, -1).to(device),
-        "position_ids": position_ids.view(3, 1, -1).to(device),
+        "position_ids": position_ids.to(device),
         "seq_lens": torch.tensor(lengths),
-        "mm_token_type_ids": torch.cat([s.mm_token_type_ids for s in samples]).view(1, -1).to(device),
+        "mm_token_type_ids": types.to(device),
         "pixel_values": torch.cat([m.pixel_values for m in images]).to(device) if images else None,
-        "image_grid_thw": torch.cat([m.image_grid_thw for m in images]).to(device) if images else None,
+        "image_grid_thw": grids.to(device) if images else None,
     }
     return inputs, next_positions(position_ids, lengths)
 
