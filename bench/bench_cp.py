@@ -21,8 +21,8 @@ row would need ~24 GB at cp 1, more than this 23 GB machine has, and its step wo
 
 A case is one fresh process per rank, **one thread each** (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``), so
 cp 2's two processes do not fight over the 2 cores; cp 1 is therefore one thread too. cp 2 is two processes over
-gloo (``torch.distributed.run``, launched by this script), each ``set_context_parallel(ContextParallel(...))``: its
-ranks encode their share of the images, keep half the tokens, and run attention and GatedDeltaNet on the whole row
+gloo (``torch.distributed.run``, launched by this script), each ``apply_context_parallel(model, ContextParallel(...))``:
+its ranks encode their share of the images, keep half the tokens, and run attention and GatedDeltaNet on the whole row
 for half the heads between all-to-alls. Per process: build the model, one warm-up step on a 512-token row (imports,
 kernels, gradient buffers allocated and kept), then the timed step on the long row: forward, then backward of the
 rank's ``loss_sum``.
@@ -134,13 +134,14 @@ def build(vocab: int, cp_size: int):
     import torch.distributed as dist
 
     from vlm_sft.model import build_model
-    from vlm_sft.model.context_parallel import ContextParallel
+    from vlm_sft.parallel.context_parallel import ContextParallel
+    from vlm_sft.parallel.parallelize import apply_context_parallel
 
     torch.manual_seed(0)
     model = build_model(model_config(vocab), dtype=torch.float32, freeze_vision=True)
     model.train()
     if cp_size > 1:
-        model.set_context_parallel(ContextParallel(dist.group.WORLD, dist.get_rank(), cp_size))
+        apply_context_parallel(model, ContextParallel(dist.group.WORLD, dist.get_rank(), cp_size))
     return model
 
 
@@ -300,7 +301,7 @@ def expected_scaling(cp_sizes=(2, 8), row_tokens: int = 16384) -> list[dict]:
     layer's all-to-alls (forward + backward) take as long as its matmuls (forward + backward) at ``SUSTAINED_FLOPS``."""
     from bench_lora import full_shape_config  # beside this file
 
-    from vlm_sft.model.context_parallel import kv_heads_layout
+    from vlm_sft.model.sequence_split import kv_heads_layout
 
     rows = []
     for name in ("0.8B", "9B"):

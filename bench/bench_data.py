@@ -14,7 +14,7 @@ Method, one part per table:
 
 1. **Render + pack**: the pipelines are built as training builds them (``load_config`` with overrides:
    ``--data.pack_len 8192 --data.seq_len 8192 --data.bfd_buffer 64 --model.vlm.freeze_vision true``, then
-   ``build.load_sources``, ``build.TrainPipelines`` with ``epochs=1`` and ``TrainBatches``) with
+   ``data_build.load_sources``, ``data_build.TrainPipelines`` with ``epochs=1`` and ``TrainBatches``) with
    ``data.num_workers`` = 0, 1, 2, 4, and one pass is drawn. Rates are over the whole pass, from building the
    batches to the end of the stream (the first batch included): with a 64-sample ``bfd`` buffer the first batch
    already waits for most of a short pass's rendering, so a clock started after it would count packs rendered
@@ -69,9 +69,10 @@ from PIL import Image
 
 from processors import load_tiny_processor
 from vlm_sft.config import load_config
+from vlm_sft.data import build as data_build
 from vlm_sft.data.sources import rows_to_dataset
-from vlm_sft.flops import PEAK_BF16_DENSE_FLOPS, batch_flops, qwen3_5_0_8b_config
-from vlm_sft.trainer import build
+from vlm_sft.flops import PEAK_BF16_DENSE_FLOPS, batch_flops
+from vlm_sft.model.presets import qwen3_5_0_8b_config
 from vlm_sft.trainer.batches import DataLayout, TrainBatches, resolve_num_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -183,9 +184,9 @@ def draw_pass(cfg, source, processor, *, workers: int, pad_id: int, limit: int |
 
     A fresh renderer each time: its image cache would otherwise carry the last pass's images (up to 512 MB, about
     27 of these images) into this one, and forked workers would inherit it."""
-    renderer = build.build_renderer(cfg, processor)
+    renderer = data_build.build_renderer(cfg, processor)
     shape = qwen3_5_0_8b_config()
-    pipelines = dataclasses.replace(build.TrainPipelines(cfg, source, renderer), epochs=1)
+    pipelines = dataclasses.replace(data_build.TrainPipelines(cfg, source, renderer), epochs=1)
     start = time.perf_counter()
     layout = DataLayout(streams_per_micro_batch=4)  # 1, 2 and 4 workers divide its 4 streams
     batches = TrainBatches(pipelines, layout, pad_id=pad_id, num_workers=workers, prefetch=cfg.data.prefetch_packs)
@@ -278,7 +279,7 @@ def first_batch(jsonl: Path, rows: list[dict], folder: Path, pad_id: int, proces
     for mode, extra in (("prepared", ["--data.source", str(copy)]), ("streaming", streamed)):
         cfg = load_config(None, [*OVERRIDES, *extra])
         start = time.perf_counter()
-        source = build.load_sources(cfg).train
+        source = data_build.load_sources(cfg).train
         loaded = time.perf_counter() - start
         run = draw_pass(cfg, source, processor, workers=workers, pad_id=pad_id, limit=1)
         out.append({"mode": mode, "workers": workers, "load_s": loaded, "first_batch_s": loaded + run["first_batch_s"]})
@@ -415,11 +416,11 @@ def measure_data(samples: int, reps: int, seed: int) -> dict:
         )
         processor = real_size_processor()
         cfg = load_config(None, [*OVERRIDES, "--data.source", str(jsonl)])
-        tokens = check_image_tokens(build.build_renderer(cfg, processor), folder / "images" / "s0000-0.jpg")
+        tokens = check_image_tokens(data_build.build_renderer(cfg, processor), folder / "images" / "s0000-0.jpg")
         pad_id = int(processor.tokenizer.pad_token_id)
         loads = {"render_pack": os.getloadavg()}
         print(f"1. render + pack (load average {loads['render_pack'][0]:.1f})", flush=True)
-        render_pack = throughput(cfg, build.load_sources(cfg).train, processor, pad_id, reps)
+        render_pack = throughput(cfg, data_build.load_sources(cfg).train, processor, pad_id, reps)
         costs = image_costs(folder, processor)
         loads["first_batch"] = os.getloadavg()
         print(f"2. first batch (load average {loads['first_batch'][0]:.1f})", flush=True)

@@ -13,7 +13,7 @@ Per (kind, ranks), three runs, each against the same run on a tiny checkpoint of
 ~2 MiB) as the baseline; every figure is **that rank's peak RSS minus the baseline's same rank, over S**:
 
 - **load**: ``--dry-run`` (everything up to the first step's batches: load, sharding, the data pipeline). **load s**:
-  the wall time of the trainer's model build (``trainer.build.build_model``, the load included) on rank 0.
+  the wall time of the trainer's model build (``checkpoint.build.build_model``, the load included) on rank 0.
 - **train** and **save**: one run of two optimizer steps (lr 1e-12: the weights stay as loaded, to rounding), a
   resumable checkpoint after the first (its DCP state and its ``hf/`` export) and the final export. **save** is the
   peak inside the exports (the larger of the two), **train** the peak of the rest of the run (load, steps, the DCP
@@ -52,8 +52,9 @@ def worker(out_dir: Path, args: list[str]) -> int:
     """One rank: the trainer's entry point with its model build timed and its final export's peak taken apart, then
     this process's figures to ``rank-N.json``."""
     from vlm_sft import train
-    from vlm_sft.trainer import build, loop
-    from vlm_sft.trainer.dry_run import host_memory
+    from vlm_sft.checkpoint import build
+    from vlm_sft.checks.memory_report import host_memory
+    from vlm_sft.trainer import loop
 
     figures: dict[str, float] = {}
     build_model, export_final = build.build_model, loop.export_final
@@ -75,7 +76,7 @@ def worker(out_dir: Path, args: list[str]) -> int:
     build.build_model = timed_build  # the loop calls both through their modules: one place to time and measure
     loop.export_final = measured_export
     rc = train.main(args)
-    assert "load_s" in figures, "the trainer no longer builds its model through trainer.build.build_model"
+    assert "load_s" in figures, "the trainer no longer builds its model through checkpoint.build.build_model"
     figures["peak_rss"] = max(figures.get("peak_rss", 0), host_memory()[0])  # the run outside its exports
     rank = int(os.environ.get("RANK", "0"))
     (out_dir / f"rank-{rank}.json").write_text(json.dumps(figures))

@@ -9,7 +9,7 @@ smoke run of about a minute. Two models, each trained in two modes:
   init range 0.08). The debug config trains its vision tower; here it is **frozen in both modes** so that the modes
   differ only in how the text model trains (a LoRA run never trains the tower). Data: one 1280-token ``bfd`` row
   (the debug config's ``pack_len``) of shapes-like synthetic samples (``SyntheticSource("short")``); 8 timed steps.
-- ``0.8B-4L``: the real Qwen3.5-0.8B widths (``vlm_sft.flops.qwen3_5_0_8b_config``: hidden 1024, MLP 3584, 8 / 2
+- ``0.8B-4L``: the real Qwen3.5-0.8B widths (``vlm_sft.model.presets.qwen3_5_0_8b_config``: hidden 1024, MLP 3584, 8 / 2
   heads of 256, GatedDeltaNet 16 + 16 heads of 128, tied embeddings) with fewer layers: 4 text layers (3
   GatedDeltaNet + 1 full attention, of 24) and a 2-block vision tower (of 12, width 768 kept), vision frozen. **The
   vocabulary is cut** from 248,320 to 41,408, by the factor the layers were (4 / 24): it keeps the embedding's share
@@ -78,7 +78,7 @@ def model_config(name: str, vocab: int | None = None):
         from vlm_sft.model.presets import tiny_qwen3_5_config
 
         return tiny_qwen3_5_config(initializer_range=0.08)  # configs/debug.toml's model
-    from vlm_sft.flops import qwen3_5_0_8b_config
+    from vlm_sft.model.presets import qwen3_5_0_8b_config
 
     config = qwen3_5_0_8b_config()
     t = config.text_config
@@ -268,7 +268,7 @@ def full_shape_config(name: str):
     """The full-depth config of ``0.8B``, ``9B`` or ``27B``."""
     from transformers import Qwen3_5Config
 
-    from vlm_sft.flops import qwen3_5_0_8b_config
+    from vlm_sft.model.presets import qwen3_5_0_8b_config
 
     base = qwen3_5_0_8b_config()
     if name == "0.8B":

@@ -37,7 +37,9 @@ import harness  # first: the CPU environment, before torch is imported
 # isort: split
 import torch
 
+from vlm_sft.checkpoint import build
 from vlm_sft.config import load_config
+from vlm_sft.data import build as data_build
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import PackingPipeline
@@ -45,7 +47,6 @@ from vlm_sft.data.sources import render_fn
 from vlm_sft.data.synthetic import SyntheticSource
 from vlm_sft.flops import batch_flops
 from vlm_sft.model import varlen
-from vlm_sft.trainer import build
 from vlm_sft.trainer.metrics import ModuleTimer
 from vlm_sft.trainer.optim import build_optimizer
 
@@ -90,9 +91,9 @@ def shapes_workload(cfg, n: int) -> Workload:
     cfg.data.shapes.root = str(root)
     cfg.data.shapes.num_train = n
     cfg.data.shapes.num_eval = 0
-    processor = build.build_processor(cfg)
-    renderer = build.build_renderer(cfg, processor)
-    sources = build.load_sources(cfg)
+    processor = data_build.build_processor(cfg)
+    renderer = data_build.build_renderer(cfg, processor)
+    sources = data_build.load_sources(cfg)
     fn = render_fn(sources.train, renderer)
     start = time.perf_counter()
     samples = [fn(i) for i in range(n)]
@@ -378,7 +379,7 @@ def main() -> None:
     if args.quick:
         args.reps, args.slices, args.shapes_samples, args.long_samples = 1, 2, 96, 12
     cfg = load_config(REPO / "configs" / "debug.toml")
-    pad_id = int(build.build_processor(cfg).tokenizer.pad_token_id)
+    pad_id = int(data_build.build_processor(cfg).tokenizer.pad_token_id)
     workloads = [shapes_workload(cfg, args.shapes_samples), long_tail_workload(args.long_samples)]
     for w in workloads:
         pack_workload(w, pad_id)

@@ -47,7 +47,9 @@ from pathlib import Path
 import torch
 from transformers import Qwen3_5ForConditionalGeneration
 
+from vlm_sft.checkpoint import build
 from vlm_sft.config import load_config
+from vlm_sft.data import build as data_build
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pack import Pack
@@ -55,9 +57,8 @@ from vlm_sft.data.shift import ShiftedSample, shift_sample
 from vlm_sft.data.sources import render_fn
 from vlm_sft.data.synthetic import SyntheticSource
 from vlm_sft.data.truncate import truncate_sample
-from vlm_sft.flops import qwen3_5_0_8b_config
 from vlm_sft.model import build_model, tiny_qwen3_5_config, varlen
-from vlm_sft.trainer import build
+from vlm_sft.model.presets import qwen3_5_0_8b_config
 from vlm_sft.trainer.optim import build_optimizer
 
 RESULTS_NAME = "vs_transformers"
@@ -80,8 +81,8 @@ def shapes_samples(cfg, n: int) -> list[ShiftedSample]:
     cfg = cfg.model_copy(deep=True)
     cfg.data.shapes.root = str(Path(tempfile.gettempdir()) / "vlm-sft-bench-shapes")
     cfg.data.shapes.num_train, cfg.data.shapes.num_eval = n, 0
-    renderer = build.build_renderer(cfg, build.build_processor(cfg))
-    fn = render_fn(build.load_sources(cfg).train, renderer)
+    renderer = data_build.build_renderer(cfg, data_build.build_processor(cfg))
+    fn = render_fn(data_build.load_sources(cfg).train, renderer)
     return [shift_sample(truncate_sample(fn(i), cfg.data.seq_len)) for i in range(n)]
 
 
@@ -192,7 +193,7 @@ def _sync(device: torch.device) -> None:
 
 def model_pair(cfg, args, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.nn.Module]]:
     """Our model (random init, the run's seed) and a maker of more models of its config on ``device``: the default
-    run's tiny model, or the real 0.8B shape (``flops.qwen3_5_0_8b_config``, ``--layers`` of its 24, vision trainable,
+    run's tiny model, or the real 0.8B shape (``presets.qwen3_5_0_8b_config``, ``--layers`` of its 24, vision trainable,
     the tiny tokenizer's special-token ids) for a GPU. Weights stay float32 (bf16 autocast on CUDA, as the trainer)."""
     torch.manual_seed(cfg.train.seed)
     if args.model == "tiny":

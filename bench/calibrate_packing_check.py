@@ -4,7 +4,7 @@
 
 For each seed: the tiny model (vision tower trainable on even seeds) and a random row of 6-9 segments (1-3-token
 texts, samples with 1-2 images, 20-80-token texts, a padding segment, shuffled), checked by
-``vlm_sft.model.packing_check.check_packing`` in each of these cases:
+``vlm_sft.checks.packing_check.check_packing`` in each of these cases:
 
 - ``exact``: the model as it is;
 - ``exact, packed GDN chunk 16``: the packed row's GatedDeltaNet runs with chunk 16 instead of 64 (same math, other
@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the te
 from packing_helpers import make_sample, padding_segment
 
 import vlm_sft.model.layers as layers
+from vlm_sft.checks.packing_check import RATIO_BOUND, check_packing
 from vlm_sft.model import build_model, tiny_qwen3_5_config
-from vlm_sft.model.packing_check import RATIO_BOUND, check_packing
 from vlm_sft.model.varlen import Segments
 
 GRIDS = [(1, 2, 2), (1, 4, 4), (1, 2, 4), (1, 4, 2), (1, 4, 6), (1, 6, 4)]

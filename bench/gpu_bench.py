@@ -29,7 +29,7 @@ shared expert and its gate, never all 256). The load-balancing loss is not in th
 
 Context parallelism (``--cp N``, default 1: none; only when asked, so ``bash bench/gpu.sh`` is unchanged): with N or
 more CUDA GPUs, the 0.8B model (full fine-tuning, first backend) on the ``bfd`` packs at cp 1 (one GPU) and at cp N
-(N GPUs over NCCL, one packed row split over them: ``vlm_sft.model.context_parallel``), each a
+(N GPUs over NCCL, one packed row split over them: ``vlm_sft.parallel.context_parallel``), each a
 ``torch.distributed.run`` of this script; the cp N ranks sum their gradients over the group before clipping (in the
 backward time). Per rank: real tokens/s of the group (the row's tokens over the step time) and per GPU, step time,
 peak memory, MFU over the N GPUs. With fewer GPUs it prints that it skipped and records why; ``--smoke --cp 2`` runs
@@ -67,10 +67,12 @@ from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.synthetic import SyntheticSource
-from vlm_sft.flops import FlopCount, batch_flops, mfu, peak_flops, qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
+from vlm_sft.flops import FlopCount, batch_flops, mfu, peak_flops
 from vlm_sft.model import build_model
-from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.model.moe import is_moe_text_config
+from vlm_sft.model.presets import qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
+from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
+from vlm_sft.parallel.parallelize import apply_context_parallel
 from vlm_sft.trainer.metrics import ModuleTimer
 
 RESULTS = harness.results_path("gpu_bench")
@@ -135,7 +137,7 @@ class Bench:
         self.vision = ModuleTimer(self.model.model.visual, device)
         self.cp = cp
         if cp.active:
-            self.model.set_context_parallel(cp)
+            apply_context_parallel(self.model, cp)
 
     def train_flops(self, count: FlopCount) -> float:
         """Training FLOPs of a batch: ``count.train`` for full fine-tuning; for LoRA no weight gradient of the frozen

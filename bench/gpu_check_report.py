@@ -30,7 +30,7 @@ def _train_detail(run: dict) -> str:
 
 
 def _packing_check_text(check: dict | None) -> str:
-    """The trainer's self-check report (``vlm_sft.model.packing_check``), read defensively: its fields may grow."""
+    """The trainer's self-check report (``vlm_sft.checks.packing_check``), read defensively: its fields may grow."""
     if not check:
         return "no packing_check.json"
     ratios = ", ".join(

@@ -9,7 +9,7 @@ recorded by the check, which then goes on with the next part. Each command write
 
 - ``env``: versions of torch, transformers, triton, flash-linear-attention, flash-attn, causal-conv1d; the device;
   the kernels the backend registry picks there.
-- ``write-model``: a randomly initialised model of the Qwen3.5-0.8B shape (``vlm_sft.flops.qwen3_5_0_8b_config``,
+- ``write-model``: a randomly initialised model of the Qwen3.5-0.8B shape (``vlm_sft.model.presets.qwen3_5_0_8b_config``,
   all 24 layers; ``--smoke``: 2 layers, 1 GatedDeltaNet + 1 full attention, small vision) saved as an HF checkpoint
   directory with the tiny offline processor. Its special-token ids are the tiny tokenizer's, so the directory is
   self-consistent (the tiny ids are all below the 248,320-token vocabulary).
@@ -66,7 +66,7 @@ def model_config(tokenizer, *, smoke: bool):
     from gpu_bench import shrink
 
     from processors.special_tokens import EOS_TOKEN, IMAGE_TOKEN, VIDEO_TOKEN, VISION_END_TOKEN, VISION_START_TOKEN
-    from vlm_sft.flops import qwen3_5_0_8b_config
+    from vlm_sft.model.presets import qwen3_5_0_8b_config
 
     config = qwen3_5_0_8b_config()
     if smoke:

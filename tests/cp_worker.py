@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from packing_helpers import make_sample, packed_batch
 
 from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
-from vlm_sft.model.context_parallel import ContextParallel
+from vlm_sft.parallel.context_parallel import ContextParallel
+from vlm_sft.parallel.parallelize import apply_context_parallel
 
 
 def row(cfg):
@@ -67,7 +68,7 @@ def main() -> None:
         reference = run(copy.deepcopy(model).double(), batch, 1)  # the float32 error of the whole row itself
         patches: list[int] = []
         model.model.visual.register_forward_pre_hook(lambda _m, args, seen=patches: seen.append(int(args[0].shape[0])))
-        model.set_context_parallel(ContextParallel(dist.group.WORLD, rank, size))
+        apply_context_parallel(model, ContextParallel(dist.group.WORLD, rank, size))
         sharded = run(model, batch, size)
         result = {"whole": whole, "cp": sharded, "float64": reference, "patches": patches, "grid": batch.image_grid_thw}
         torch.save(result, Path(os.environ["CP_OUT"]) / f"{name}-rank{rank}.pt")

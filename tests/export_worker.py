@@ -24,7 +24,8 @@ from vlm_sft.checkpoint.export import export_hf
 from vlm_sft.checkpoint.hf_dir import CheckpointIndex
 from vlm_sft.checkpoint.load import load_model_config, load_weights, materialize, meta_model
 from vlm_sft.model.backends import resolve_backends
-from vlm_sft.trainer.distributed import DistEnv, shard_model
+from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.parallelize import shard_model
 
 
 def _status_mib(field: str) -> float:

@@ -20,13 +20,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from vlm_sft.checkpoint import build
+from vlm_sft.checks.self_check import run_packing_check
+from vlm_sft.checks.slice import SliceShape, build_slice
 from vlm_sft.config import load_config
+from vlm_sft.data import build as data_build
 from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 from vlm_sft.model.lora import attach_lora, store_frozen_in
-from vlm_sft.trainer import build
-from vlm_sft.trainer.check_slice import SliceShape, build_slice
-from vlm_sft.trainer.distributed import DistEnv, shard_model
-from vlm_sft.trainer.self_check import run_packing_check
+from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.parallelize import shard_model
 
 VOCAB = torch.tensor(sorted({0, 3, 1040, 1041, 2047, tiny_qwen3_5_config().text_config.pad_token_id}))
 """Ids on both ranks' halves of the vocabulary (2081 rows: rank 0 holds 0-1040), the pad id among them."""
@@ -66,9 +68,9 @@ def main() -> None:
         if rank == 0:
             torch.save({"alone": state(alone), "sharded": state(sharded)}, out / f"{name}.pt")
     cfg = load_config("configs/debug.toml", json.loads(os.environ["SLICE_RUN"]))
-    processor = build.build_processor(cfg)
-    renderer = build.build_renderer(cfg, processor)
-    source = build.load_sources(cfg).train
+    processor = data_build.build_processor(cfg)
+    renderer = data_build.build_renderer(cfg, processor)
+    source = data_build.load_sources(cfg).train
     model = shard_model(build.build_model(cfg, env.device), env)
     pad_id = int(processor.tokenizer.pad_token_id)
     report = run_packing_check(cfg, model=model, renderer=renderer, source=source, pad_id=pad_id, env=env, rows=1)

@@ -15,7 +15,7 @@ import torch
 
 from vlm_sft.checkpoint.state import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.config import REPO_ROOT, ConfigError, config_from_cli, load_config
-from vlm_sft.trainer.distributed import DistEnv
+from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer.optim import build_scheduler
 
 README = (REPO_ROOT / "README.md").read_text()
@@ -45,7 +45,7 @@ def test_help_lists_every_config_field_and_exits_0(entry):
 
 def test_check_packing_help_states_the_calibrated_bound():
     """``--help`` names the bound without importing the model stack (which took 13 s); the number must stay true."""
-    from vlm_sft.model.packing_check import RATIO_BOUND
+    from vlm_sft.checks.packing_check import RATIO_BOUND
 
     assert f"RATIO_BOUND, {RATIO_BOUND:g};" in " ".join(_help("-m", "vlm_sft.check_packing").stdout.split())
 

@@ -16,10 +16,13 @@ from test_train import _image_row, _text_row, _write_rows
 from train_helpers import Background, launch_env, read_metrics, tiny_run_args
 
 from vlm_sft.config import REPO_ROOT, ConfigError, load_config
-from vlm_sft.flops import qwen3_5_0_8b_config
 from vlm_sft.model import build_model, tiny_qwen3_5_config
-from vlm_sft.model.context_parallel import ContextParallel, check_heads, kv_heads_layout, split_images
-from vlm_sft.trainer.distributed import DistEnv, context_parallel_groups
+from vlm_sft.model.presets import qwen3_5_0_8b_config
+from vlm_sft.model.sequence_split import check_heads, kv_heads_layout, split_images
+from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
+from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.mesh import build_mesh
+from vlm_sft.parallel.parallelize import apply_context_parallel, context_parallel_off, token_mixers
 
 WORKER = str(Path(__file__).resolve().parent / "cp_worker.py")
 
@@ -88,9 +91,36 @@ def test_kv_heads_split_repeat_or_are_refused():
 def test_head_counts_that_do_not_split_are_refused_with_the_fix():
     model = build_model(tiny_qwen3_5_config())  # 2 query heads, GatedDeltaNet 2 key / 4 value heads
     with pytest.raises(ValueError, match="does not divide linear_num_key_heads = 2"):
-        model.set_context_parallel(ContextParallel(None, 0, 4))
-    model.set_context_parallel(ContextParallel(None, 0, 2))
+        apply_context_parallel(model, ContextParallel(None, 0, 4))
+    apply_context_parallel(model, ContextParallel(None, 0, 2))
     assert model.context_parallel.size == 2
+
+
+def test_cp_wraps_the_token_mixers_on_the_instance_and_off_unwraps_them():
+    """CP replaces each token mixer's ``forward`` on the instance only (the module tree and the parameter names, which
+    checkpoints, FSDP2 and DCP key on, stay); a refused size changes nothing; ``context_parallel_off`` and ``NO_CP``
+    restore the class's forward: the whole row runs as on a model that never had CP (a mixer left wrapped would call
+    an all-to-all on no process group and fail)."""
+    torch.manual_seed(0)
+    model = build_model(tiny_qwen3_5_config())
+    names, mixers = [n for n, _ in model.named_parameters()], token_mixers(model)
+    ids = torch.randint(0, 100, (1, 16))
+    kwargs = dict(position_ids=torch.arange(16).expand(3, 1, 16))
+    with torch.no_grad():
+        whole = model(ids, **kwargs)
+    with pytest.raises(ValueError, match="does not divide"):
+        apply_context_parallel(model, ContextParallel(None, 0, 4))
+    assert not model.context_parallel.active and not any("forward" in vars(m) for m in mixers)
+    cp = ContextParallel(None, 0, 2)
+    apply_context_parallel(model, cp)
+    assert len(mixers) == 4 and all("forward" in vars(m) for m in mixers) and model.context_parallel is cp
+    assert [n for n, _ in model.named_parameters()] == names
+    with context_parallel_off(model), torch.no_grad():
+        assert not any("forward" in vars(m) for m in mixers) and not model.context_parallel.active
+        assert torch.equal(model(ids, **kwargs), whole)
+    assert all("forward" in vars(m) for m in mixers) and model.context_parallel is cp
+    apply_context_parallel(model, NO_CP)
+    assert not any("forward" in vars(m) for m in mixers) and model.context_parallel is NO_CP
 
 
 def test_layouts_that_cannot_split_evenly_are_refused_with_the_fix():
@@ -101,7 +131,7 @@ def test_layouts_that_cannot_split_evenly_are_refused_with_the_fix():
     assert load_config("configs/debug.toml", ["--train.cp_size", "2"]).train.cp_size == 2
     three_ranks = DistEnv(rank=0, world_size=3, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="launch a multiple of 2 processes"):
-        context_parallel_groups(three_ranks, 2)
+        build_mesh(three_ranks, cp_size=2)
 
 
 # ------------------------------------------------------------------------------------------- the trainer

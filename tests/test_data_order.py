@@ -1,5 +1,5 @@
 """The same seed and config train on the same data in the same order whatever the number of data workers: the
-packed batches the trainer's own path builds (``build.TrainPipelines`` -> ``TrainBatches``, as ``loop.setup`` does
+packed batches the trainer's own path builds (``data_build.TrainPipelines`` -> ``TrainBatches``, as ``trainer.setup.setup`` does
 it, on the shapes data through the tiny processor) are identical, tensor for tensor, with 0, 1 and 2 workers.
 
 ``data.num_workers`` defaults to the machine's spare cores, so a data order that depended on it would train the same
@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import get_worker_info
 
 from vlm_sft.config import RunConfig, load_config
+from vlm_sft.data import build as data_build
 from vlm_sft.trainer import batches as batches_module
-from vlm_sft.trainer import build
 from vlm_sft.trainer.batches import DataLayout, TrainBatches
 
 BATCHES = 6
@@ -36,8 +36,8 @@ def shapes_root(tmp_path_factory):
 def _data_parts(cfg_json: str) -> tuple:
     """Processor, renderer and training rows of a config (built once per config: only the batches are compared)."""
     cfg = RunConfig.model_validate_json(cfg_json)
-    processor = build.build_processor(cfg)
-    return processor, build.build_renderer(cfg, processor), build.load_sources(cfg).train
+    processor = data_build.build_processor(cfg)
+    return processor, data_build.build_renderer(cfg, processor), data_build.load_sources(cfg).train
 
 
 def _config(root, **overrides: object):
@@ -55,11 +55,11 @@ def _config(root, **overrides: object):
 
 
 def _batches(cfg, num_workers: int) -> list[dict]:
-    """The first ``BATCHES`` micro-batches of rank 0 of one process, as ``loop.setup`` builds its ``TrainBatches``."""
+    """The first ``BATCHES`` micro-batches of rank 0 of one process, as ``trainer.setup.setup`` builds its ``TrainBatches``."""
     processor, renderer, rows = _data_parts(cfg.model_dump_json())
     layout = DataLayout(0, 1, cfg.train.micro_batches, cfg.data.streams_per_micro_batch)
     train_batches = TrainBatches(
-        build.TrainPipelines(cfg, rows, renderer),
+        data_build.TrainPipelines(cfg, rows, renderer),
         layout,
         pad_id=int(processor.tokenizer.pad_token_id),
         num_workers=num_workers,

@@ -21,12 +21,12 @@ from packing_helpers import alone_logits, make_sample, packed_row
 from torch.distributed.utils import _apply_to_tensors
 
 from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
-from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.model.conv import causal_conv1d, conv_step, conv_tail
 from vlm_sft.model.decode import DecodeCache, decode_position_ids, next_positions
 from vlm_sft.model.gdn import final_states, gated_delta_rule, recurrent_step
 from vlm_sft.model.lora import attach_lora, init_adapters
 from vlm_sft.model.varlen import Segments
+from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
 
 TOL = 1e-5
 TOL_64 = 1e-10
@@ -266,7 +266,7 @@ def test_bad_cached_calls_are_refused(dense):
         dense(**row, cache=DecodeCache())
     dense.context_parallel = ContextParallel(group=None, rank=0, size=2)  # faked: the refusal comes before any use
     try:
-        with pytest.raises(ValueError, match=r"set_context_parallel\(NO_CP\)"):
+        with pytest.raises(ValueError, match=r"apply_context_parallel\(model, NO_CP\)"):
             dense(**row, cache=DecodeCache())
     finally:
         dense.context_parallel = NO_CP

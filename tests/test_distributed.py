@@ -1,11 +1,11 @@
-"""The collective rules of ``vlm_sft/trainer/distributed.py``, held on the CPU.
+"""The collective rules of ``vlm_sft/parallel/`` (``env.py``, ``collectives.py``), held on the CPU.
 
 1. The process group serves what it is handed: on CUDA it is ``cpu:gloo,cuda:nccl`` (NCCL alone refuses CPU
    tensors, which crashed every multi-GPU run at its first step); checked by building the group on a machine made to
    look like CUDA.
-2. The trainer's own collectives take host tensors, and only ``distributed.py`` calls ``torch.distributed``: a device
-   tensor handed to a helper is refused (a meta tensor stands in for a GPU one), and a source scan fails on any new
-   direct collective elsewhere in the package. A 2-rank run records the device of every all-reduce the trainer made.
+2. The trainer's own collectives take host tensors, and only the ``parallel`` package calls ``torch.distributed``: a
+   device tensor handed to a helper is refused (a meta tensor stands in for a GPU one), and a source scan fails on any
+   new direct collective elsewhere in the package. A 2-rank run records the device of every all-reduce the trainer made.
 3. Gradients are reduce-scattered once per step, not once per micro-batch (counted in 2-rank runs).
 4. A failure on one rank stops every rank promptly, with the message printed once (two plain processes, as a
    cluster scheduler starts them: no torchrun to kill the survivor).
@@ -27,10 +27,11 @@ import pytest
 import torch
 from train_helpers import TRAIN_SCRIPT, launch_env, run_training, tiny_run_args
 
-import vlm_sft.trainer.distributed as distributed
+import vlm_sft.parallel.env as distributed
 from vlm_sft.config import REPO_ROOT
 from vlm_sft.model import tiny_qwen3_5_config
-from vlm_sft.trainer.distributed import DistEnv, PeerFailure, all_reduce, check_peers
+from vlm_sft.parallel.collectives import PeerFailure, all_reduce, check_peers
+from vlm_sft.parallel.env import DistEnv
 
 PROBE = str(Path(__file__).with_name("collective_probe.py"))
 COLLECTIVES = {
@@ -107,19 +108,20 @@ def _direct_collective_calls(path: Path) -> list[str]:
     return found
 
 
-DATA_PLANE = REPO_ROOT / "vlm_sft" / "model" / "context_parallel.py"
-"""The model's own collectives (context parallelism's all-to-alls and feature gather): device tensors, like FSDP's."""
+PARALLEL = REPO_ROOT / "vlm_sft" / "parallel"
+DATA_PLANE = PARALLEL / "context_parallel.py"
+"""Context parallelism's all-to-alls and feature gather: device tensors (the activations), like FSDP's."""
 
 
-def test_only_distributed_py_calls_collectives():
-    """A collective written anywhere else could hand NCCL a CPU tensor (or skip the failure agreement); the one
-    exception is the model's data plane, whose tensors are the activations themselves."""
+def test_only_the_parallel_package_calls_collectives():
+    """A collective written anywhere else could hand NCCL a CPU tensor (or skip the failure agreement): the host
+    collectives are ``parallel/collectives.py``'s, the data plane ``parallel/context_parallel.py``'s."""
     offenders = []
     for path in sorted((REPO_ROOT / "vlm_sft").rglob("*.py")):
-        if path.name != "distributed.py" and path != DATA_PLANE:
+        if PARALLEL not in path.parents:
             offenders += _direct_collective_calls(path)
     assert not offenders, offenders
-    assert _direct_collective_calls(REPO_ROOT / "vlm_sft" / "trainer" / "distributed.py")  # the scan sees calls
+    assert _direct_collective_calls(PARALLEL / "collectives.py")  # the scan sees calls
     assert _direct_collective_calls(DATA_PLANE)
 
 
@@ -129,7 +131,7 @@ def test_bf16_runs_compute_in_bf16_over_fp32_master_weights():
     from test_host_syncs import _batch
 
     from vlm_sft.model import build_model
-    from vlm_sft.trainer.distributed import shard_model
+    from vlm_sft.parallel.parallelize import shard_model
 
     torch.manual_seed(0)
     reference = build_model(tiny_qwen3_5_config(), freeze_vision=False)
@@ -239,7 +241,7 @@ def test_end_process_flushes_and_exits_with_the_code():
     Python still buffers (a log record, unflushed stdout / stderr) must come out first, and the code is the run's."""
     script = (
         "import logging, sys\n"
-        "from vlm_sft.trainer.distributed import end_process\n"
+        "from vlm_sft.parallel.env import end_process\n"
         "logging.basicConfig(level=logging.INFO)\n"
         "logging.getLogger('run').info('logged before the end')\n"
         "sys.stdout.write('printed, not flushed'); sys.stderr.write('to stderr, not flushed')\n"

@@ -22,7 +22,7 @@ import pytest
 from big_checkpoints import BigCheckpoint, cached_checkpoint, tiny_baseline
 from train_helpers import Background, read_metrics, tiny_run_args
 
-from vlm_sft.trainer.dry_run import REPORT_FILE
+from vlm_sft.checks.memory_report import REPORT_FILE
 
 RSS_BOUND = 2.0
 """Peak host memory above the baseline, in units of S, per rank at 2 ranks (module docstring)."""
@@ -108,10 +108,10 @@ def test_loading_a_bf16_checkpoint_holds_at_most_twice_its_size_per_rank(dry_run
 
 def test_plan_of_an_unsharded_model_is_its_parameters_grads_and_adamw():
     """One CPU process: the shard is the whole model; gradients and AdamW state only for what trains."""
+    from vlm_sft.checks.memory_plan import ModelCounts, StepShape, plan
+    from vlm_sft.checks.memory_report import local_shard
     from vlm_sft.model import build_model
     from vlm_sft.model.presets import tiny_qwen3_5_config
-    from vlm_sft.trainer.dry_run import local_shard
-    from vlm_sft.trainer.memory_plan import ModelCounts, StepShape, plan
 
     model = build_model(tiny_qwen3_5_config(), freeze_vision=True)
     counts = ModelCounts.of_model(model)
@@ -127,8 +127,8 @@ def test_plan_of_an_unsharded_model_is_its_parameters_grads_and_adamw():
 def test_plan_shards_the_9b_over_8_ranks_and_counts_the_accumulated_gradient():
     """The unsharded fp32 gradient FSDP2 keeps across micro-batches (``grad_sync = "step"``) is the whole model's on
     every rank: 36 GB for the 9B, more than its sharded training state."""
+    from vlm_sft.checks.memory_plan import plan_for_run
     from vlm_sft.config import RunConfig
-    from vlm_sft.trainer.memory_plan import plan_for_run
 
     model = {"name_or_path": "Qwen/Qwen3.5-9B", "dtype": "bfloat16", "activation_checkpointing": True}
     model |= {"vlm": {"freeze_vision": True}}
@@ -144,8 +144,8 @@ def test_plan_shards_the_9b_over_8_ranks_and_counts_the_accumulated_gradient():
 
 
 def test_activation_checkpointing_keeps_less_and_activations_grow_with_the_row():
-    from vlm_sft.flops import qwen3_5_0_8b_config
-    from vlm_sft.trainer.memory_plan import StepShape, activation_bytes, meta_counts
+    from vlm_sft.checks.memory_plan import StepShape, activation_bytes, meta_counts
+    from vlm_sft.model.presets import qwen3_5_0_8b_config
 
     config = qwen3_5_0_8b_config()
     counts = meta_counts(config, lora=None, bf16=True)

@@ -26,8 +26,8 @@ from torch import nn
 
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
+from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer import evaluate as evaluate_module
-from vlm_sft.trainer.distributed import DistEnv
 from vlm_sft.trainer.evaluate import evaluate
 from vlm_sft.trainer.scoring import filler_batch, score_batch
 

@@ -29,15 +29,18 @@ from vlm_sft.flops import (
     mlp_flops_per_token,
     peak_flops,
     peak_for_name,
-    qwen3_5_0_8b_config,
-    qwen3_5_35b_a3b_config,
     real_segment_lengths,
     vision_flops,
 )
 from vlm_sft.model import build_model
 from vlm_sft.model.backends import resolve_backends
 from vlm_sft.model.moe import Experts, TopKRouter
-from vlm_sft.model.presets import tiny_qwen3_5_config, tiny_qwen3_5_moe_config
+from vlm_sft.model.presets import (
+    qwen3_5_0_8b_config,
+    qwen3_5_35b_a3b_config,
+    tiny_qwen3_5_config,
+    tiny_qwen3_5_moe_config,
+)
 from vlm_sft.model.vlm import Qwen3_5VLM
 
 TINY = tiny_qwen3_5_config()

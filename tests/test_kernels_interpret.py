@@ -8,7 +8,7 @@ zero-length segment and one longer than two chunks of 64. ``tests/triton_interpr
 workarounds this needs (pinned to triton 3.9.0 / fla 0.6.0). Skipped, with the reason, where the ``interpret`` extra is
 not installed; flash-attn and causal-conv1d are CUDA-only and stay in ``tests/test_kernels_gpu.py``.
 
-Tolerances come from the noise-floor machinery (``vlm_sft.model.noise_floor``), not from guesses: every quantity
+Tolerances come from the noise-floor machinery (``vlm_sft.checks.noise_floor``), not from guesses: every quantity
 (an output, each input's or parameter's gradient) is computed three times: in float64 by our torch backends (the
 reference; for the gated delta rule the token-by-token recurrence, float64 all through), at the test dtype by our
 torch backends (``floor``: they cannot leak across segments) and at the test dtype by fla (``leak``). Errors are
@@ -46,13 +46,13 @@ import torch
 import torch.nn.functional as F
 from packing_helpers import mixed_row, packed_row
 
+from vlm_sft.checks.noise_floor import Deviation, deviation, max_abs
+from vlm_sft.checks.packing_check import RATIO_BOUND, reference_model
 from vlm_sft.model import build_model, tiny_qwen3_5_config
 from vlm_sft.model.backends import Backends
 from vlm_sft.model.conv import causal_conv1d
 from vlm_sft.model.gdn import gated_delta_rule, naive_recurrent_gated_delta_rule
 from vlm_sft.model.loss import chunked_cross_entropy
-from vlm_sft.model.noise_floor import Deviation, deviation, max_abs
-from vlm_sft.model.packing_check import RATIO_BOUND, reference_model
 from vlm_sft.model.varlen import Segments
 
 pytestmark = pytest.mark.interpret

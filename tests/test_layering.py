@@ -1,35 +1,58 @@
-"""Imports point one way: the command-line entry points on top, then the trainer, then data and model side by side.
+"""Imports point one way: the command-line entry points on top, then the trainer, then checks and checkpoints, then
+the parallel package, then the model; the data package beside them.
 
-The model never imports the data package (it takes positions and segment lengths as inputs, it does not build
-them) nor the checkpoint package (it reads and writes no files), the data package never imports the model or the
-trainer, the checkpoint package sits between the model and the trainer (it uses only the trainer's collective
-rules, ``trainer.distributed``), and nothing below the top imports an entry point.
+- The model imports none of data, trainer, checkpoint, parallel or checks, nor ``torch.distributed`` at all: it takes
+  positions and segment lengths as inputs, reads and writes no files, and is spread over ranks from outside
+  (``parallel.parallelize``).
+- ``parallel`` is the only package that imports ``torch.distributed``; it knows the model (its module paths, its
+  token mixers) but not the data, the checkpoints, the checks or the trainer.
+- ``checkpoint`` (the run's model from a preset or a checkpoint, and every file a checkpoint holds) uses ``parallel``
+  and the model, never the trainer; ``checks`` uses the
+  model, the data and ``parallel``, never the trainer; the data package never imports the model, the trainer or the
+  checks.
+- The data report and the packing check do not import the trainer. Nothing below the top imports an entry point,
+  and no module imports itself back, directly or through others
+  (``test_no_import_circles``; lazy imports inside functions count, imports for type annotations only do not).
 """
 
 from __future__ import annotations
 
 import ast
+from pathlib import Path
 
 import pytest
 
 from vlm_sft.config import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "vlm_sft"
-ENTRY_POINTS = ("vlm_sft.train", "vlm_sft.report", "vlm_sft.check_packing", "vlm_sft.viz")
+ENTRY_POINTS = (
+    "vlm_sft.train", "vlm_sft.report", "vlm_sft.check_packing", "vlm_sft.viz", "vlm_sft.generate", "vlm_sft.plot",
+)  # fmt: skip
+TORCH_DISTRIBUTED = "torch.distributed"
 FORBIDDEN = {
-    "vlm_sft/model": ("vlm_sft.data", "vlm_sft.trainer", "vlm_sft.checkpoint", *ENTRY_POINTS),
-    "vlm_sft/checkpoint": ("vlm_sft.data", "vlm_sft.trainer", *ENTRY_POINTS),
-    "vlm_sft/data": ("vlm_sft.model", "vlm_sft.trainer", *ENTRY_POINTS),
-    "vlm_sft/trainer": ENTRY_POINTS,
-}
-ALLOWED = {"vlm_sft/checkpoint": ("vlm_sft.trainer.distributed",)}
-"""Exceptions to ``FORBIDDEN``: where the collective rules live (``DistEnv``, ``all_ranks_or_none``)."""
+    "vlm_sft/model": (
+        "vlm_sft.data", "vlm_sft.trainer", "vlm_sft.checkpoint", "vlm_sft.parallel", "vlm_sft.checks",
+        TORCH_DISTRIBUTED, *ENTRY_POINTS,
+    ),
+    "vlm_sft/data": ("vlm_sft.model", "vlm_sft.trainer", "vlm_sft.checkpoint", "vlm_sft.parallel", "vlm_sft.checks",
+                     TORCH_DISTRIBUTED, *ENTRY_POINTS),
+    "vlm_sft/parallel": ("vlm_sft.data", "vlm_sft.trainer", "vlm_sft.checkpoint", "vlm_sft.checks", *ENTRY_POINTS),
+    "vlm_sft/checkpoint": ("vlm_sft.data", "vlm_sft.trainer", "vlm_sft.checks", TORCH_DISTRIBUTED, *ENTRY_POINTS),
+    "vlm_sft/checks": ("vlm_sft.trainer", "vlm_sft.checkpoint", TORCH_DISTRIBUTED, *ENTRY_POINTS),
+    "vlm_sft/trainer": (TORCH_DISTRIBUTED, *ENTRY_POINTS),
+}  # fmt: skip
 
 
-def imported_modules(source: str) -> set[str]:
-    """Every module named by an import statement (at any depth: lazy imports inside functions count too)."""
+def imported_modules(source: str, *, with_type_checking: bool = True) -> set[str]:
+    """Every module named by an import statement (at any depth: lazy imports inside functions count too; those under
+    ``if TYPE_CHECKING:``, which never run, unless ``with_type_checking`` is False)."""
+    tree = ast.parse(source)
+    if not with_type_checking:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                node.body = []
     names = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -38,16 +61,92 @@ def imported_modules(source: str) -> set[str]:
     return names
 
 
+def _matches(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
 @pytest.mark.parametrize("folder", sorted(FORBIDDEN))
 def test_imports_point_one_way(folder):
     bad = []
     for path in sorted((REPO_ROOT / folder).glob("*.py")):
         for name in imported_modules(path.read_text()):
-            allowed = any(name == a or name.startswith(a + ".") for a in ALLOWED.get(folder, ()))
-            if not allowed and any(name == f or name.startswith(f + ".") for f in FORBIDDEN[folder]):
+            if any(_matches(name, f) for f in FORBIDDEN[folder]):
                 bad.append(f"{path.relative_to(REPO_ROOT)} imports {name}")
     assert not bad, bad
 
 
-def test_the_scan_sees_lazy_imports():
+@pytest.mark.parametrize("tool", ["vlm_sft/report.py", "vlm_sft/check_packing.py"])
+def test_the_data_tools_do_not_import_the_trainer(tool):
+    """The data report and the packing check build their data through ``data.build`` (and the check its model through
+    ``checkpoint.build``), not through the trainer."""
+    names = imported_modules((REPO_ROOT / tool).read_text())
+    assert not [n for n in names if _matches(n, "vlm_sft.trainer")]
+    assert any(_matches(n, "vlm_sft.data.build") for n in names)
+
+
+def test_only_the_parallel_package_imports_torch_distributed():
+    """The folders above hold every package but ``parallel``; the top-level modules are checked here."""
+    assert {p.parent for p in PACKAGE.glob("*/*.py")} == {REPO_ROOT / f for f in FORBIDDEN} | {PACKAGE / "parallel"}
+    bad = [
+        f"{path.relative_to(REPO_ROOT)} imports {name}"
+        for path in sorted(PACKAGE.glob("*.py"))
+        for name in imported_modules(path.read_text())
+        if _matches(name, TORCH_DISTRIBUTED)
+    ]
+    assert not bad, bad
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of ``sources`` it imports when it runs (``from a.b import c`` names ``a.b.c`` when that is
+    a module, else ``a.b``); imports for type annotations only (``if TYPE_CHECKING:``) are not edges."""
+    graph = {}
+    for module, source in sources.items():
+        graph[module] = {n for n in imported_modules(source, with_type_checking=False) if n in sources and n != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of ``graph`` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circles():
+    roots = [PACKAGE, REPO_ROOT / "renderers", REPO_ROOT / "processors"]
+    sources = {module_name(p): p.read_text() for root in roots for p in sorted(root.rglob("*.py"))}
+    assert "vlm_sft.parallel.parallelize" in sources and "vlm_sft.trainer.setup" in sources
+    assert find_cycle(import_graph(sources)) is None
+
+
+def test_the_checks_can_fail():
+    """The scans see lazy imports, a circle through three modules, and ``torch.distributed`` behind an alias."""
     assert "vlm_sft.data.mrope" in imported_modules("def f():\n    from vlm_sft.data.mrope import x\n")
+    graph = import_graph({"a": "import b", "b": "def f():\n    from c import x", "c": "from a import y", "d": ""})
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle(import_graph({"a": "import b", "b": "", "c": "import a"})) is None
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
+    assert find_cycle(import_graph({"a": "import b", "b": typed})) is None
+    assert any(_matches(n, TORCH_DISTRIBUTED) for n in imported_modules("import torch.distributed as dist"))
+    assert any(_matches(n, TORCH_DISTRIBUTED) for n in imported_modules("from torch.distributed.tensor import DTensor"))

@@ -12,9 +12,10 @@ import pytest
 import torch
 from train_helpers import LEARNING_CHECK, Background, read_metrics, run_training, tiny_run_args
 
+from vlm_sft.checkpoint import build
 from vlm_sft.checkpoint.export import save_pretrained
 from vlm_sft.config import ConfigError, load_config
-from vlm_sft.trainer import build
+from vlm_sft.data import build as data_build
 
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "model.vlm.freeze_vision": True}
 
@@ -130,8 +131,8 @@ def test_a_bf16_lora_run_keeps_the_frozen_base_in_bf16_with_the_same_numbers():
     gradient equal those of the same model stored in fp32, bitwise, for half the frozen bytes."""
     from test_host_syncs import _batch
 
-    from vlm_sft.trainer import distributed
-    from vlm_sft.trainer.distributed import shard_model
+    from vlm_sft.parallel import env as distributed
+    from vlm_sft.parallel.parallelize import shard_model
 
     stored, full = _bf16_lora_model("bfloat16"), _bf16_lora_model("float32")
     assert {p.dtype for p in stored.parameters() if not p.requires_grad} == {torch.bfloat16}
@@ -202,18 +203,18 @@ def _assert_adapter_and_merged_written(final: Path) -> None:
 def test_packed_rows_give_the_adapters_the_gradient_of_each_sample_alone(tmp_path, dtype):
     """The packing self-check on a LoRA model: every lora_B randomized first (peft starts it at zero, which would
     leave lora_A without any gradient to compare), dropout 0; in bf16 with the frozen base stored in bf16."""
-    from vlm_sft.trainer.self_check import run_packing_check
+    from vlm_sft.checks.self_check import run_packing_check
 
     args = tiny_run_args(tmp_path, **LORA, **{"model.dtype": dtype, "train.device": "auto"})
     cfg = load_config(None, args)
-    processor = build.build_processor(cfg)
+    processor = data_build.build_processor(cfg)
     model = build.build_model(cfg, torch.device("cpu"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0.0, 0.05)
     report = run_packing_check(
-        cfg, model=model, renderer=build.build_renderer(cfg, processor), source=build.load_sources(cfg).train,
+        cfg, model=model, renderer=data_build.build_renderer(cfg, processor), source=data_build.load_sources(cfg).train,
         pad_id=int(processor.tokenizer.pad_token_id), rows=1,
     )  # fmt: skip
     assert report.ok, report.format()

@@ -14,11 +14,11 @@ from safetensors.torch import load_file
 from train_helpers import LEARNING_CHECK, Background, deterministic, read_metrics, run_training, tiny_run_args
 from transformers import Qwen3_5MoeForConditionalGeneration
 
+from vlm_sft.checks.packing_check import check_packing
 from vlm_sft.config import ConfigError
 from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 from vlm_sft.model.load_balance import load_balancing_loss
-from vlm_sft.model.packing_check import check_packing
-from vlm_sft.trainer.distributed import DistEnv
+from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer.router_balance import RouterBalance
 
 COEF = 0.05

@@ -18,8 +18,8 @@ import torch
 from packing_helpers import make_sample, padding_segment
 from torch import nn
 
+from vlm_sft.checks.packing_check import RATIO_BOUND, check_packing
 from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config
-from vlm_sft.model.packing_check import RATIO_BOUND, check_packing
 
 pytestmark = pytest.mark.gpu
 

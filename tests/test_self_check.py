@@ -4,7 +4,7 @@ In bf16 a packed sample never equals the sample alone bit for bit, so the check 
 noise (the floor: bf16 alone vs a float64 reference) and judges the packed row's error by its ratio to it.
 These tests run bf16 the only way a CPU can, autocast on the pure-torch kernels, and pin both sides: the exact model
 passes, and the same model with ``seq_lens`` withheld (or with only its short conv leaking) fails by a wide margin,
-on the whole model and on the slice the trainer checks (``check_slice``: a layer of each kind, one vision block, a
+on the whole model and on the slice the trainer checks (``checks.slice``: a layer of each kind, one vision block, a
 few experts, the rows' vocabulary). The slice of a model sharded over 2 ranks equals the slice of the same model
 unsharded, bit for bit. The CUDA kernels get the same two tests in ``tests/test_packing_gpu.py``.
 """
@@ -26,14 +26,9 @@ from train_helpers import launch_env, tiny_run_args
 from transformers import Qwen3_5Config
 
 from vlm_sft.check_packing import main as check_packing_cli
-from vlm_sft.config import REPO_ROOT, load_config
-from vlm_sft.flops import qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
-from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
-from vlm_sft.model.packing_check import RATIO_BOUND, REFERENCE_DTYPE, check_packing, exact_backends, reference_model
-from vlm_sft.model.varlen import Segments
-from vlm_sft.trainer import build
-from vlm_sft.trainer.check_slice import SliceShape, build_slice, slice_config, slice_shape
-from vlm_sft.trainer.self_check import (
+from vlm_sft.checkpoint import build
+from vlm_sft.checks.packing_check import RATIO_BOUND, REFERENCE_DTYPE, check_packing, exact_backends, reference_model
+from vlm_sft.checks.self_check import (
     CHECK_PACK_LEN,
     CHECK_SEQ_LEN,
     check_config,
@@ -41,6 +36,12 @@ from vlm_sft.trainer.self_check import (
     rows_vocab,
     run_packing_check,
 )
+from vlm_sft.checks.slice import SliceShape, build_slice, slice_config, slice_shape
+from vlm_sft.config import REPO_ROOT, load_config
+from vlm_sft.data import build as data_build
+from vlm_sft.model import Qwen3_5VLM, build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
+from vlm_sft.model.presets import qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
+from vlm_sft.model.varlen import Segments
 
 WORKER = str(Path(__file__).resolve().parent / "slice_worker.py")
 
@@ -186,7 +187,7 @@ def _meta_count(config) -> tuple[int, int]:
     [("0.8B", 0.09, 2.56e9 - 0.43e9), ("9B", 0.041, 9.41e9 - 1e9), ("35B-A3B", 0.009, 35.1e9)],
 )
 def test_the_slice_of_the_real_configs_is_a_small_fraction(name, max_share, max_bytes):
-    """The figures of ``check_slice``'s docstring: a slice for 4096 vocabulary ids is a few percent of the model,
+    """The figures of ``checks.slice``'s docstring: a slice for 4096 vocabulary ids is a few percent of the model,
     and the check's bytes (24 per trainable slice parameter, 12 per frozen one: the towers are frozen) stay within
     two fp32 gradient shards (4 S / W at W = 8; 9B: with 1 GB left for activations) for the 9B and 35B-A3B, and
     for the 0.8B within its run's peak (12 S / W in training, less the 2 S / W a rank holds at the check)."""
@@ -243,9 +244,9 @@ def tiny_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("self_check")
     args = tiny_run_args(tmp)
     cfg = load_config("configs/debug.toml", args)
-    processor = build.build_processor(cfg)
-    renderer = build.build_renderer(cfg, processor)
-    return args, cfg, renderer, build.load_sources(cfg), int(processor.tokenizer.pad_token_id)
+    processor = data_build.build_processor(cfg)
+    renderer = data_build.build_renderer(cfg, processor)
+    return args, cfg, renderer, data_build.load_sources(cfg), int(processor.tokenizer.pad_token_id)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -265,7 +266,7 @@ def test_cli_prints_the_table_and_exits_0(tiny_run, capsys, caplog, whole):
     """The slice training checks by default, or ``--whole-model``: the model itself, no slice built."""
     args, *_ = tiny_run
     flags = ["--whole-model"] if whole else []
-    with caplog.at_level(logging.INFO, logger="vlm_sft.trainer.check_slice"):
+    with caplog.at_level(logging.INFO, logger="vlm_sft.checks.slice"):
         assert check_packing_cli(["--config", "configs/debug.toml", *args, "--rows", "1", *flags]) == 0
     out = capsys.readouterr().out
     assert "floor" in out and "leak" in out and "ratio" in out and ": OK" in out
@@ -299,7 +300,7 @@ def test_sharded_slice_equals_the_unsharded_one(tmp_path):
     model (dense; MoE with 3 of 4 experts; LoRA over a bf16 base, narrowed MLPs everywhere), and the trainer's
     ``run_packing_check`` runs on every rank with the report on rank 0."""
     args = tiny_run_args(tmp_path)
-    build.load_sources(load_config("configs/debug.toml", args))  # the shapes data, written once before the ranks
+    data_build.load_sources(load_config("configs/debug.toml", args))  # the shapes data, written once before the ranks
     env = launch_env() | {"SLICE_OUT": str(tmp_path), "SLICE_RUN": json.dumps(args)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", WORKER]
     done = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)

@@ -22,7 +22,7 @@ from renderers.served import (
     with_thinking_default,
 )
 from vlm_sft.config import RunConfig
-from vlm_sft.trainer import build
+from vlm_sft.data import build as data_build
 
 CASES = list(conversations(["p0", "p1", "p2", "p3", "p4"]))
 
@@ -37,8 +37,8 @@ def run_config(enable_thinking: bool, loss_on: str = "all_assistant") -> RunConf
 def served(request, tmp_path_factory):
     """(mode, the run's renderer, the processor reloaded from a checkpoint directory the run saved)."""
     cfg = run_config(request.param)
-    processor = build.build_processor(cfg)
-    renderer = build.build_renderer(cfg, processor)
+    processor = data_build.build_processor(cfg)
+    renderer = data_build.build_renderer(cfg, processor)
     folder = save_processor(tmp_path_factory.mktemp("final"), processor, processor.tokenizer)
     return request.param, renderer, load_processor(folder)
 
@@ -49,7 +49,7 @@ def test_last_reply_trains_on_the_saved_templates_generation_prompt(served, imag
     the reply's tokens, under the saved checkpoint's template, called with no arguments (the server's default) and
     with the run's ``enable_thinking``. Single- and multi-turn, system prompts, images first and last, tool calls,
     reasoning. A non-thinking run cannot serve a reasoning reply by default (its prompt closes the think block): that
-    is refused, and ``build.check_served_template`` warns when the data is mostly such replies."""
+    is refused, and ``data_build.check_served_template`` warns when the data is mostly such replies."""
     enable_thinking, renderer, saved = served
     messages, tools = conversations(image_files)[case]
     if not enable_thinking and last_reply_reasons(messages):
@@ -140,9 +140,11 @@ def test_a_template_without_the_switch_is_left_alone():
 
 
 def test_build_processor_writes_the_default_only_where_it_differs():
-    assert default_thinking_mode(build.build_processor(run_config(False)).chat_template) is False
-    thinking = build.build_processor(run_config(True))
-    assert thinking.chat_template == build.load_tiny_processor().chat_template  # already the tiny template's default
+    assert default_thinking_mode(data_build.build_processor(run_config(False)).chat_template) is False
+    thinking = data_build.build_processor(run_config(True))
+    assert (
+        thinking.chat_template == data_build.load_tiny_processor().chat_template
+    )  # already the tiny template's default
 
 
 def test_served_prompt_continuations_follow_the_template(processor):
@@ -165,9 +167,9 @@ def test_stable_prefix_trains_only_turns_a_server_prompt_leads_into(image_files,
     leaves them out, ``all_assistant`` trains them as rendered. Turns after the last user query (a tool call, then
     the answer) are stable and train in both."""
     cases = conversations(image_files)
-    processor = build.build_processor(run_config(enable_thinking))
-    stable = build.build_renderer(run_config(enable_thinking, "stable_prefix"), processor)
-    every = build.build_renderer(run_config(enable_thinking, "all_assistant"), processor)
+    processor = data_build.build_processor(run_config(enable_thinking))
+    stable = data_build.build_renderer(run_config(enable_thinking, "stable_prefix"), processor)
+    every = data_build.build_renderer(run_config(enable_thinking, "all_assistant"), processor)
     messages, _ = cases["multi_turn_text"]
     history, last = (m["content"] for m in messages if m["role"] == "assistant")
     assert history in _trained_text(every, processor, messages)

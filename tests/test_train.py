@@ -215,7 +215,7 @@ def test_kill_during_checkpoint_write_keeps_previous(tmp_path):
 import os, signal, torch
 import torch.distributed.checkpoint as dcp
 from vlm_sft.checkpoint import state as ck
-from vlm_sft.trainer.distributed import DistEnv
+from vlm_sft.parallel.env import DistEnv
 env = DistEnv(0, 1, 0, torch.device("cpu"))
 model = torch.nn.Linear(4, 4)
 opt = torch.optim.AdamW(model.parameters())
@@ -226,7 +226,7 @@ real_save = dcp.save
 def dying_save(*args, **kwargs):
     real_save(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGKILL)  # after the shards, before the trainer state and the rename
-ck.dcp.save = dying_save
+dcp.save = dying_save  # parallel.dcp.save_tensors calls it through the module
 state.step = 2
 ck.save_checkpoint({str(tmp_path)!r}, model=model, optimizer=opt, state=state, env=env, keep_last=2)
 """
@@ -234,7 +234,7 @@ ck.save_checkpoint({str(tmp_path)!r}, model=model, optimizer=opt, state=state, e
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / "checkpoints" / "step-000002.tmp").is_dir()
     from vlm_sft.checkpoint.state import load_checkpoint, resolve_resume
-    from vlm_sft.trainer.distributed import DistEnv
+    from vlm_sft.parallel.env import DistEnv
 
     latest = resolve_resume("latest", tmp_path)
     assert latest.name == "step-000001"

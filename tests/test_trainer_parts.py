@@ -13,7 +13,6 @@ from torch import nn
 
 from vlm_sft.checkpoint.state import (
     TRAINER_STATE,
-    SafeReader,
     TrainerState,
     capture_rng,
     complete_checkpoints,
@@ -25,7 +24,8 @@ from vlm_sft.checkpoint.state import (
     save_checkpoint,
 )
 from vlm_sft.config import TrainConfig
-from vlm_sft.trainer.distributed import DistEnv
+from vlm_sft.parallel.dcp import SafeReader
+from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler, lr_factor, param_groups
 
 

@@ -3,14 +3,14 @@
 Builds the configured model on the configured backends, takes the first packed rows of the configured data (samples
 capped at ``self_check.CHECK_SEQ_LEN`` tokens), and runs every sample both inside its packed row and alone, at the
 configured precision (``model.dtype``), next to a float64 reference of the sample alone on the pure-torch kernels.
-It checks what training checks: the model's slice (``trainer.check_slice``: the first layers up to one of each kind,
+It checks what training checks: the model's slice (``checks.slice``: the first layers up to one of each kind,
 a vision block, a few experts, the rows' vocabulary); ``--whole-model`` checks every layer instead, with a float64
 copy of the whole model. For the logits, the loss gradients and each op class (vision, conv, linear attention,
 attention, MLP) it prints the floor (the sample's own rounding noise: |alone - reference|), the leak
 (|packed - reference|) and their ratio. An exact packed row scores about 1; a backend that lets packed samples see
 each other scores tens to thousands. Exits 1 when the logits' or gradients' ratio is over the bound (default
 ``RATIO_BOUND``), 0 otherwise. ``train.check_packing = true`` runs the same check
-(``vlm_sft.trainer.self_check.run_packing_check``) at the start of training.
+(``vlm_sft.checks.self_check.run_packing_check``) at the start of training.
 """
 
 from __future__ import annotations
@@ -45,14 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if cfg is None:
         return 2
-    from vlm_sft.model.packing_check import RATIO_BOUND  # the model stack loads only after --help was handled
-    from vlm_sft.trainer import build
-    from vlm_sft.trainer.distributed import resolve_device
-    from vlm_sft.trainer.self_check import run_packing_check
+    from vlm_sft.checkpoint import build
+    from vlm_sft.checks.packing_check import RATIO_BOUND  # the model stack loads only after --help was handled
+    from vlm_sft.checks.self_check import run_packing_check
+    from vlm_sft.data import build as data_build
+    from vlm_sft.parallel.env import resolve_device
 
-    processor = build.build_processor(cfg)
-    renderer = build.build_renderer(cfg, processor)
-    sources = build.load_sources(cfg)
+    processor = data_build.build_processor(cfg)
+    renderer = data_build.build_renderer(cfg, processor)
+    sources = data_build.load_sources(cfg)
     model = build.build_model(cfg, resolve_device(cfg.train.device))
     report = run_packing_check(
         cfg,

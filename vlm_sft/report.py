@@ -23,14 +23,14 @@ from vlm_sft.data.pipeline import summarize_pass
 
 def build_report(cfg: RunConfig, *, packing: str | None = None, progress: bool = True) -> dict:
     """One pass over the training data with the configured (or the given) packing mode; see the module docstring."""
-    from vlm_sft.trainer import build
+    from vlm_sft.data import build as data_build
 
-    processor = build.build_processor(cfg)
-    renderer = build.build_renderer(cfg, processor)
-    sources = build.load_sources(cfg)
-    total = None if isinstance(sources.train, build.StreamedSource) else len(sources.train)
+    processor = data_build.build_processor(cfg)
+    renderer = data_build.build_renderer(cfg, processor)
+    sources = data_build.load_sources(cfg)
+    total = None if isinstance(sources.train, data_build.StreamedSource) else len(sources.train)
     bar = tqdm(total=total, desc="rendering + packing", unit="sample", disable=not progress)
-    pipeline = build.build_pipeline(
+    pipeline = data_build.build_pipeline(
         cfg, sources.train, renderer, epochs=1, shuffle=False, packing=packing, progress=bar
     )
     summary = summarize_pass(pipeline)  # raises unless seen == packed + skipped

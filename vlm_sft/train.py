@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from renderers import TemplateParityError
     from vlm_sft.data.pipeline import EmptyPassError, SkipFractionError
-    from vlm_sft.trainer.distributed import PeerFailure
+    from vlm_sft.parallel.collectives import PeerFailure
+    from vlm_sft.trainer.dry_run import dry_run
     from vlm_sft.trainer.loop import train
     from vlm_sft.trainer.trackers import check_installed
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         datasets.disable_progress_bars()
     try:
         check_installed(cfg.train.report_to)  # a missing tracker package fails now, not after the model is built
-        result = train(cfg, dry_run=known.dry_run)
+        result = dry_run(cfg) if known.dry_run else train(cfg)
     except ConfigError as err:  # settings that only fail against the machine or the data (e.g. bf16 without CUDA)
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not is_main:  # every rank returns the same result; rank 0 reports it
         return 0
-    if known.dry_run:  # the report was printed by train(); nothing was trained or saved
+    if known.dry_run:  # the report was printed by dry_run(); nothing was trained or saved
         print(f"dry run done: no optimizer step taken; the report is in {cfg.train.output_dir}/dry_run.json")
         return 0
     if result.last_eval:
@@ -111,7 +112,7 @@ def plot(output_dir: str) -> None:
 if __name__ == "__main__":
     exit_code = main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a process of a multi-process run: skip the teardown that aborts
-        from vlm_sft.trainer.distributed import end_process
+        from vlm_sft.parallel.env import end_process
 
         end_process(exit_code)
     sys.exit(exit_code)

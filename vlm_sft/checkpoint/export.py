@@ -64,7 +64,8 @@ from vlm_sft.checkpoint.hf_dir import (
 )
 from vlm_sft.checkpoint.lora_export import BASE_LAYER, LORA_A, LORA_B, lora_modules, save_adapter
 from vlm_sft.config import LoraSettings, RunConfig
-from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none, full_tensor
+from vlm_sft.parallel.collectives import all_ranks_or_none, full_tensor
+from vlm_sft.parallel.env import DistEnv
 
 logger = logging.getLogger(__name__)
 

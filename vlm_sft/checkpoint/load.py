@@ -33,8 +33,8 @@ from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from vlm_sft.checkpoint.hf_dir import CheckpointIndex, SliceReader, resolve_checkpoint_dir
 from vlm_sft.model.backends import Backends, resolve_backends
-from vlm_sft.model.sharding import local_rows
 from vlm_sft.model.vlm import Qwen3_5VLM
+from vlm_sft.parallel.fsdp import local_rows
 
 logger = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def from_pretrained(
 
     The family follows ``config.json``'s ``model_type``. ``dtype`` None means float32 (master weights for training).
     Built on meta and filled tensor by tensor, so nothing is initialized twice and the peak is the model plus one
-    tensor. The trainer shards before it fills (``vlm_sft.trainer.build``); this is for one process (tests, tools).
+    tensor. The trainer shards before it fills (``vlm_sft.checkpoint.build``); this is for one process (tests, tools).
     """
     path = resolve_checkpoint_dir(dir_or_hub_id, revision=revision)
     device = torch.device(device if device is not None else "cpu")

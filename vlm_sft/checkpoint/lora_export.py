@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor
 
 from vlm_sft.model.lora import ADAPTER_NAME, is_saved_module  # ADAPTER_NAME: left out of PEFT files' keys
+from vlm_sft.parallel.fsdp import is_sharded
 
 PEFT_PREFIX = "base_model.model."
 """What a PeftModel (LoraModel inside PeftModel) puts before the wrapped model's parameter names."""
@@ -56,7 +56,7 @@ def lora_modules(state: dict[str, torch.Tensor]) -> list[str]:
 
 def _check_full(state: dict[str, torch.Tensor]) -> None:
     """Sharded DTensors would be written as one rank's shard: ask for the gathered state dict instead."""
-    sharded = [k for k, v in state.items() if isinstance(v, DTensor)]
+    sharded = [k for k, v in state.items() if is_sharded(v)]
     if sharded:
         raise ValueError(
             f"state dict holds sharded tensors ({sharded[:3]}); pass the full state dict "

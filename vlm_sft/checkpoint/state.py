@@ -19,7 +19,7 @@ Layout under ``<output_dir>/checkpoints``::
 No pickle is ever read: JSON and safetensors hold plain values and tensors, the DCP state holds tensors only (DCP
 stores any other value as a pickle and reads it with ``torch.load(weights_only=False)``; the optimizer's
 ``param_groups`` go to ``trainer_state.json`` instead), and DCP's own ``.metadata``, which torch writes with pickle,
-is read by ``SafeReader``, an unpickler that admits only DCP's metadata classes.
+is read by ``parallel.dcp.SafeReader``, an unpickler that admits only DCP's metadata classes.
 
 Another world size: DCP reshards model and optimizer, the data position is global, and each rank restores the RNG
 state of its own rank when the checkpoint has it, else rank 0's (the data order never depends on the global RNG;
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import random
 import re
 import shutil
@@ -45,18 +44,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from torch import nn
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_state_dict,
-)
 
-from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none
+from vlm_sft.parallel.collectives import all_ranks_or_none
+from vlm_sft.parallel.dcp import check_metadata, load_tensors, save_tensors, set_sharded_state, sharded_state
+from vlm_sft.parallel.env import DistEnv
 
 logger = logging.getLogger(__name__)
 
@@ -190,55 +184,7 @@ def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
     return path
 
 
-# ---------------------------------------------------------------------------------------------- DCP, tensors only
-
-_DCP_METADATA = (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-)  # fmt: skip
-_METADATA_CLASSES = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in _DCP_METADATA),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by its name, nothing else
-    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")),
-}
-"""What the ``.metadata`` of a DCP checkpoint of tensors refers to (torch 2.13): plain dataclasses, enums and
-names. Anything else in it is refused, so the file cannot run code."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES or (
-            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"{module}.{name} is not part of a DCP checkpoint's metadata: refused, since unpickling it could run code"
-        )
-
-
-class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader, but its ``.metadata`` (a pickle that torch writes) is read with an unpickler that admits
-    only DCP's own metadata classes, and a checkpoint with pickled entries (``BytesStorageMetadata``, which DCP
-    would read with ``torch.load(weights_only=False)``) is refused."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-        if not isinstance(metadata, Metadata):
-            raise ValueError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
-        pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
-        if pickled:
-            raise ValueError(
-                f"{path}: the entries {pickled[:5]} are pickled objects, which are never read (a pickle can run code); "
-                "this checkpoint was not written by this version of vlm-sft"
-            )
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does after unpickling
-        return metadata
+# ------------------------------------------------------------------------------------------- tensors only
 
 
 def _tensors_only(tree: dict, where: str) -> None:
@@ -254,12 +200,6 @@ def _tensors_only(tree: dict, where: str) -> None:
                 bad.append(f"{prefix}.{key} ({type(value).__name__})")
     if bad:
         raise TypeError(f"a checkpoint's DCP state holds tensors only, not {sorted(bad)[:5]}")
-
-
-def _options(trainable_only: bool) -> StateDictOptions:
-    """What a checkpoint holds: every parameter, or (``trainable_only``) the ones that train; the loader asks for
-    the same keys, so a strict load would only flag the frozen ones it was told to leave alone."""
-    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 # --------------------------------------------------------------------------------------------------- save
@@ -291,10 +231,10 @@ def save_checkpoint(
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(trainable_only))
+    model_sd, optim_sd = sharded_state(model, optimizer, trainable_only=trainable_only)
     tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     _tensors_only(tensors, "state")
-    dcp.save(tensors, checkpoint_id=str(tmp))
+    save_tensors(tensors, tmp)
     with all_ranks_or_none(env, f"writing the trainer state into {tmp}"):
         _write_json(tmp / data_file(env.rank), state.data)
         write_rng(tmp / rng_file(env.rank), state.rng)
@@ -382,14 +322,13 @@ def load_checkpoint(
     path = Path(path)
     state, saved_groups = _read(path, env)
     with all_ranks_or_none(env, f"reading the DCP metadata of {path}"):
-        SafeReader(str(path)).read_metadata()  # a refused file stops here, not inside DCP's collectives
-    options = _options(trainable_only)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+        check_metadata(path)  # a refused file stops here, not inside DCP's collectives
+    model_sd, optim_sd = sharded_state(model, optimizer, trainable_only=trainable_only)
     tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
-    dcp.load(tensors, storage_reader=SafeReader(str(path)))
+    load_tensors(tensors, path)
     groups = _restore_groups(optim_sd["param_groups"], saved_groups, path)
     optim = {"state": tensors["optim"]["state"], "param_groups": groups}
-    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim, options=options)
+    set_sharded_state(model, optimizer, tensors["model"], optim, trainable_only=trainable_only)
     logger.info("resumed from %s at step %d (written by %d process(es))", path, state.step, state.world_size)
     return state
 

@@ -36,7 +36,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from vlm_sft.model.context_parallel import NO_CP
 from vlm_sft.model.varlen import Segments
 
 if TYPE_CHECKING:
@@ -203,7 +202,8 @@ def cached_logits(
     if model.context_parallel.active:
         raise ValueError(
             "forward(cache=...) under context parallelism: generate with context parallelism off: "
-            "model.set_context_parallel(NO_CP)"
+            "apply_context_parallel(model, NO_CP) or `with context_parallel_off(model):` "
+            "(vlm_sft.parallel.context_parallel)"
         )
     if torch.is_grad_enabled():
         raise ValueError(
@@ -218,7 +218,7 @@ def cached_logits(
         mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(-1)
         embeds_TD = model._merge_vision(text.embed_tokens(input_ids.reshape(-1)), pixel_values, image_grid_thw, mm_T)
         cache.start([layer.layer_type for layer in text.layers], segments.lengths)
-    hidden_TD, _ = text(embeds_TD, position_ids.reshape(3, -1), segments, model.backends, NO_CP, cache)
+    hidden_TD, _ = text(embeds_TD, position_ids.reshape(3, -1), segments, model.backends, cache)
     if cache.prefilled:
         cache.steps += 1
         return model.lm_head(hidden_TD)

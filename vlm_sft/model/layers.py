@@ -7,10 +7,14 @@ into one token axis T and the segments (samples, padding) are described by one `
 tokens (full attention, the GatedDeltaNet recurrence and its short causal conv) are the registry's varlen ops,
 which never look across a segment start. Everything else is per token.
 
+Each token mixer is three steps, ``forward = output(core(project(x)))``: per-token projections, the op that mixes
+tokens (``core``, which may hold only a block of the heads: ``sequence_split.HeadBlock``), the per-token output.
+Context parallelism runs its all-to-alls between them from outside (``vlm_sft.parallel.context_parallel``).
+
 Precision: norms, the decay ``g`` and rotary run in float32 like transformers, whatever the autocast dtype.
 
-Legend: T = tokens, D = hidden size, H = heads, K = key head dim, V = value head dim, C = conv channels,
-W = conv kernel width, R = rotary dims.
+Legend: T = tokens, t = tokens of ``output`` (a context-parallel rank's shard of T, else T), D = hidden size,
+H = heads, K = key head dim, V = value head dim, C = conv channels, W = conv kernel width, R = rotary dims.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from transformers import Qwen3_5TextConfig
 
 from vlm_sft.model.attention import varlen_attention
 from vlm_sft.model.backends import Backends
-from vlm_sft.model.context_parallel import NO_CP, ContextParallel, kv_heads_layout, qkv_channels, qkv_rank_order
 from vlm_sft.model.conv import causal_conv1d, conv_step, conv_tail
 from vlm_sft.model.gdn import final_states, gated_delta_rule, recurrent_step
 from vlm_sft.model.rotary import apply_partial_rotary
+from vlm_sft.model.sequence_split import ALL_HEADS, HeadBlock, qkv_channels
 from vlm_sft.model.varlen import Segments
 
 if TYPE_CHECKING:
@@ -141,25 +145,37 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
 
     def forward(
+        self, x_TD: torch.Tensor, segments: Segments, backends: Backends, cache: LinearAttnCache | None = None
+    ) -> torch.Tensor:
+        """Every head on the tokens ``x_TD``: ``output(core(project(x)))``. Context parallelism wraps these three steps
+        from outside (``vlm_sft.parallel.context_parallel``), so this block holds no communication.
+
+        ``cache`` (``decode``): unfilled, the forward runs as usual and stores each segment's conv tail and final
+        state; filled, ``x_TD`` is one token per sequence and each op takes one recurrent step."""
+        return self.output(self.core(*self.project(x_TD), segments, backends, cache), x_TD)
+
+    def project(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rule's per-token inputs, every head: ``(qkv_TC, b_TH, a_TH)`` (the fused pre-conv q, k, v; beta and
+        the decay input, before their activations)."""
+        return self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
+
+    def core(
         self,
-        x_TD: torch.Tensor,
+        qkv_TC: torch.Tensor,
+        b_TH: torch.Tensor,
+        a_TH: torch.Tensor,
         segments: Segments,
         backends: Backends,
-        cp: ContextParallel = NO_CP,
         cache: LinearAttnCache | None = None,
+        heads: HeadBlock = ALL_HEADS,
     ) -> torch.Tensor:
-        """``x_TD``: this rank's tokens; under context parallelism (``cp``) the conv and the rule run on the whole
-        sequence for this rank's block of heads, between two all-to-alls (``context_parallel``).
-
-        ``cache`` (``decode``, never with ``cp``): unfilled, the forward runs as usual and stores each segment's conv
-        tail and final state; filled, ``x_TD`` is one token per sequence and each op takes one recurrent step."""
-        t = x_TD.shape[0]
-        qkv_TC, b_TH, a_TH = self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
+        """The conv and the gated delta rule over the tokens of ``segments``: ``o_THV``. ``heads``: the inputs hold
+        that block of the heads (their channels ``qkv_channels``), so the conv's weight and ``A_log`` / ``dt_bias``
+        are sliced to match; the default is every head."""
         channels = None
-        if cp.active:
-            qkv_TC, b_TH, a_TH = self._to_head_shard(qkv_TC, b_TH, a_TH, cp)
-            channels = qkv_channels(self.key_dim, self.value_dim, cp.rank, cp.size, qkv_TC.device)
-        T, n_k, n_v = qkv_TC.shape[0], self.num_k_heads // cp.size, self.num_v_heads // cp.size
+        if heads.count > 1:
+            channels = qkv_channels(self.key_dim, self.value_dim, heads.index, heads.count, qkv_TC.device)
+        T, n_k, n_v = qkv_TC.shape[0], self.num_k_heads // heads.count, self.num_v_heads // heads.count
         step = cache is not None and cache.filled
         if step:
             qkv_TC, cache.conv_tail_SWC = conv_step(qkv_TC, cache.conv_tail_SWC, *self._conv_params())
@@ -171,37 +187,30 @@ class GatedDeltaNet(nn.Module):
         q_THK = q_TC.reshape(T, n_k, self.head_k_dim)
         k_THK = k_TC.reshape(T, n_k, self.head_k_dim)
         v_THV = v_TC.reshape(T, n_v, self.head_v_dim)
-        heads = slice(cp.rank * n_v, (cp.rank + 1) * n_v)
+        mine = heads.of(self.num_v_heads)
         # Log decay in float32: exp(A_log) of a bf16 A_log would be coarse, and fp16 overflows.
-        g_TH = -self.A_log[heads].float().exp() * F.softplus(a_TH.float() + self.dt_bias[heads])
+        g_TH = -self.A_log[mine].float().exp() * F.softplus(a_TH.float() + self.dt_bias[mine])
         if step:
             o_THV, cache.state_SHKV = recurrent_step(q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), cache.state_SHKV)
-        else:
-            o_THV = gated_delta_rule(
-                q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments, backend=backends.linear_attention,
-                use_qk_l2norm=True,
-            )  # fmt: skip
-            if cache is not None:
-                cache.state_SHKV = final_states(q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments)
-        if cp.active:
-            o_THV = cp.heads_to_seq(o_THV)
-        z_THV = self.in_proj_z(x_TD).reshape(t, self.num_v_heads, self.head_v_dim)
-        o_THV = self.norm(o_THV.reshape(-1, self.head_v_dim), z_THV.reshape(-1, self.head_v_dim))
-        return self.out_proj(o_THV.reshape(t, self.value_dim))
+            return o_THV
+        o_THV = gated_delta_rule(
+            q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments, backend=backends.linear_attention, use_qk_l2norm=True
+        )
+        if cache is not None:
+            cache.state_SHKV = final_states(q_THK, k_THK, v_THV, g_TH, b_TH.sigmoid(), segments)
+        return o_THV
+
+    def output(self, o_tHV: torch.Tensor, x_tD: torch.Tensor) -> torch.Tensor:
+        """``y_tD`` of the rule's output ``o_tHV`` (every head) on the tokens ``x_tD`` it came from: the gated norm
+        (its gate ``in_proj_z(x)``) and ``out_proj``."""
+        t = x_tD.shape[0]
+        z_tHV = self.in_proj_z(x_tD).reshape(t, self.num_v_heads, self.head_v_dim)
+        o_tHV = self.norm(o_tHV.reshape(-1, self.head_v_dim), z_tHV.reshape(-1, self.head_v_dim))
+        return self.out_proj(o_tHV.reshape(t, self.value_dim))
 
     def _conv_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The short conv's ``(weight_CW, bias_C)`` for ``conv_step``."""
         return self.conv1d.weight.squeeze(1), self.conv1d.bias
-
-    def _to_head_shard(self, qkv_tC, b_tH, a_tH, cp: ContextParallel):
-        """One all-to-all for q, k, v (three channel blocks per rank), beta and the decay input."""
-        t, size = qkv_tC.shape[0], cp.size
-        order = qkv_rank_order(self.key_dim, self.value_dim, size, qkv_tC.device)
-        parts = [qkv_tC[:, order].view(t, size, -1), b_tH.view(t, size, -1), a_tH.view(t, size, -1)]
-        widths = [p.shape[-1] for p in parts]
-        packed = cp.seq_to_heads(torch.cat([p.to(qkv_tC.dtype) for p in parts], dim=-1))  # [T, 1, sum(widths)]
-        qkv_TC, b_TH, a_TH = packed.squeeze(1).split(widths, dim=-1)
-        return qkv_TC, b_TH.to(b_tH.dtype), a_TH.to(a_tH.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -233,14 +242,20 @@ class GatedAttention(nn.Module):
         sin_TR: torch.Tensor,
         segments: Segments,
         backends: Backends,
-        cp: ContextParallel = NO_CP,
         cache: AttnCache | None = None,
     ) -> torch.Tensor:
-        """``x_TD``: this rank's tokens; under context parallelism the attention runs on the whole sequence for
-        this rank's query heads (and their kv heads), between two all-to-alls (Ulysses).
+        """Every head on the tokens ``x_TD``: ``output(core(project(x)))``. Context parallelism wraps these three steps
+        from outside (``vlm_sft.parallel.context_parallel``), so this block holds no communication.
 
-        ``cache`` (``decode``, never with ``cp``): unfilled, the forward runs as usual and stores each segment's keys
-        and values; filled, ``x_TD`` is one token per sequence, attending over its cached keys and its own."""
+        ``cache`` (``decode``): unfilled, the forward runs as usual and stores each segment's keys and values;
+        filled, ``x_TD`` is one token per sequence, attending over its cached keys and its own."""
+        q_THD, k_THD, v_THD, gate_THD = self.project(x_TD, cos_TR, sin_TR)
+        return self.output(self.core(q_THD, k_THD, v_THD, segments, backends, cache), gate_THD)
+
+    def project(
+        self, x_TD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q_THD, k_THD, v_THD, gate_THD)``, every head: q and k normed and rotated, in one dtype."""
         T = x_TD.shape[0]
         q_THD, gate_THD = self.q_proj(x_TD).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q_THD = apply_partial_rotary(self.q_norm(q_THD), cos_TR, sin_TR)
@@ -249,31 +264,30 @@ class GatedAttention(nn.Module):
         )
         v_THD = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
         # Under autocast the rotated q/k come back in the projection dtype; give the kernel one dtype.
-        k_THD, v_THD = k_THD.to(q_THD.dtype), v_THD.to(q_THD.dtype)
-        if cp.active:
-            q_THD, k_THD, v_THD = self._to_head_shard(q_THD, k_THD, v_THD, cp)
-        if cache is not None and cache.filled:
-            o_THD = cache.attend(q_THD, k_THD, v_THD, self.scaling)
-        else:
-            o_THD = varlen_attention(q_THD, k_THD, v_THD, segments, scale=self.scaling, backend=backends.attention)
-            if cache is not None:
-                cache.fill(k_THD, v_THD, segments)
-        if cp.active:
-            o_THD = cp.heads_to_seq(o_THD)
-        o_TD = o_THD.reshape(T, self.num_heads * self.head_dim) * torch.sigmoid(gate_THD.reshape(T, -1))
-        return self.o_proj(o_TD)
+        return q_THD, k_THD.to(q_THD.dtype), v_THD.to(q_THD.dtype), gate_THD
 
-    def _to_head_shard(self, q_tHD, k_tHD, v_tHD, cp: ContextParallel):
-        """One all-to-all for q, k and v: a rank gets its block of query heads and the kv heads they read (kv
-        heads repeated first when ``cp`` exceeds them)."""
-        repeat = kv_heads_layout(self.num_kv_heads, cp.size)
-        if repeat > 1:
-            k_tHD, v_tHD = k_tHD.repeat_interleave(repeat, dim=1), v_tHD.repeat_interleave(repeat, dim=1)
-        t, size = q_tHD.shape[0], cp.size
-        n_q, n_kv = q_tHD.shape[1] // size, k_tHD.shape[1] // size
-        parts = [x.reshape(t, size, -1, self.head_dim) for x in (q_tHD, k_tHD, v_tHD)]
-        packed = cp.seq_to_heads(torch.cat(parts, dim=2).reshape(t, -1, self.head_dim))
-        return packed.split([n_q, n_kv, n_kv], dim=1)
+    def core(
+        self,
+        q_THD: torch.Tensor,
+        k_THD: torch.Tensor,
+        v_THD: torch.Tensor,
+        segments: Segments,
+        backends: Backends,
+        cache: AttnCache | None = None,
+    ) -> torch.Tensor:
+        """Causal GQA over the tokens of ``segments``, for whatever heads q, k and v hold (no per-head parameter):
+        ``o_THD``."""
+        if cache is not None and cache.filled:
+            return cache.attend(q_THD, k_THD, v_THD, self.scaling)
+        o_THD = varlen_attention(q_THD, k_THD, v_THD, segments, scale=self.scaling, backend=backends.attention)
+        if cache is not None:
+            cache.fill(k_THD, v_THD, segments)
+        return o_THD
+
+    def output(self, o_tHD: torch.Tensor, gate_tHD: torch.Tensor) -> torch.Tensor:
+        """``y_tD`` of the attention output ``o_tHD`` (every head): the sigmoid gate, then ``o_proj``."""
+        t = o_tHD.shape[0]
+        return self.o_proj(o_tHD.reshape(t, self.num_heads * self.head_dim) * torch.sigmoid(gate_tHD.reshape(t, -1)))
 
 
 class DecoderLayer(nn.Module):
@@ -306,15 +320,14 @@ class DecoderLayer(nn.Module):
         sin_TR: torch.Tensor,
         segments: Segments,
         backends: Backends,
-        cp: ContextParallel = NO_CP,
         cache: LinearAttnCache | AttnCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``cache``: this layer's decoding cache (``decode``), handed to its token mixer; None in training."""
         h_TD = self.input_layernorm(x_TD)
         if self.layer_type == "linear_attention":
-            h_TD = self.linear_attn(h_TD, segments, backends, cp, cache)
+            h_TD = self.linear_attn(h_TD, segments, backends, cache)
         else:
-            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends, cp, cache)
+            h_TD = self.self_attn(h_TD, cos_TR, sin_TR, segments, backends, cache)
         x_TD = x_TD + h_TD
         if self.moe_mlp:
             mlp_TD, router_logits_TE = self.mlp(self.post_attention_layernorm(x_TD), backends.experts)

@@ -114,19 +114,30 @@ def store_frozen_in(model: nn.Module, dtype: torch.dtype) -> None:
                 p.data = p.data.to(want)
 
 
-def init_adapters(model: nn.Module, seed: int) -> None:
+RowRule = Callable[[torch.Tensor], tuple[torch.Tensor, int, int]]
+"""``t -> (the part of t this rank holds, its first row, its end row)`` on dim 0."""
+
+
+def whole_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The row rule of a model that is not sharded: every tensor held whole (a sharded one is refused)."""
+    if hasattr(t, "to_local"):
+        raise ValueError("a sharded (DTensor) adapter: pass rows=vlm_sft.parallel.fsdp.local_rows")
+    return t, 0, (t.shape[0] if t.dim() else 0)
+
+
+def init_adapters(model: nn.Module, seed: int, *, rows: RowRule | None = None) -> None:
     """peft's default LoRA init (A Kaiming-uniform, B zero) redone from ``seed`` on the adapters as they are now.
 
     peft initializes each adapter in its base layer's dtype, so on a base loaded in bf16 A would be drawn in bf16 and
     only then raised to fp32 (``store_frozen_in``): a bf16 and an fp32 run with one seed would start differently.
     Here each A is drawn whole in fp32 on the CPU, module by module from one generator, and each rank keeps the rows
     its shard holds: the same adapters on any number of ranks, whatever the base's dtype, sharded (FSDP2 DTensors,
-    also straight after ``to_empty``) or not.
+    also straight after ``to_empty``) or not. ``rows``: the sharding's row rule (``parallel.fsdp.local_rows``) for a
+    sharded model; without it every adapter must be a plain tensor held whole.
     """
     from peft.tuners.lora import LoraLayer
 
-    from vlm_sft.model.sharding import local_rows
-
+    local_rows = rows or whole_rows
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():

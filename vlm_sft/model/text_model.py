@@ -18,7 +18,6 @@ from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 from vlm_sft.model.backends import Backends
-from vlm_sft.model.context_parallel import NO_CP, ContextParallel
 from vlm_sft.model.layers import DecoderLayer, RMSNorm
 from vlm_sft.model.moe import SparseMoeBlock, is_moe_text_config
 from vlm_sft.model.rotary import MRopeRotary
@@ -57,23 +56,23 @@ class Qwen3_5TextDecoder(nn.Module):
         position_ids_3T: torch.Tensor,
         segments: Segments,
         backends: Backends,
-        cp: ContextParallel = NO_CP,
         cache: DecodeCache | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``(hidden_TD, router_logits)``: the final-normed hidden states, and each MoE layer's router logits
-        ``[T, E]`` in order (empty for the dense model). Under context parallelism (``cp``) the tokens and positions
-        are this rank's shard and ``segments`` the whole row's. ``cache``: generation's ``decode.DecodeCache`` (its
-        ``layers[i]`` goes to layer ``i``; never checkpointed, as a recomputed layer would update its cache twice)."""
+        ``[T, E]`` in order (empty for the dense model). Under context parallelism the tokens and positions are this
+        rank's shard and ``segments`` the whole row's (``vlm_sft.parallel.context_parallel``). ``cache``:
+        generation's ``decode.DecodeCache`` (its ``layers[i]`` goes to layer ``i``; never checkpointed, as a
+        recomputed layer would update its cache twice)."""
         cos_TR, sin_TR = self.rotary_emb(position_ids_3T)
         h_TD = embeds_TD
         router_logits: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if cache is not None:
-                h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends, cp, cache.layers[i])
+                h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends, cache.layers[i])
             elif self.activation_checkpointing and torch.is_grad_enabled():
-                h_TD, logits_TE = checkpoint(layer, h_TD, cos_TR, sin_TR, segments, backends, cp, use_reentrant=False)
+                h_TD, logits_TE = checkpoint(layer, h_TD, cos_TR, sin_TR, segments, backends, use_reentrant=False)
             else:
-                h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends, cp)
+                h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends)
             if logits_TE is not None:
                 router_logits.append(logits_TE)
         return self.norm(h_TD), router_logits

@@ -32,12 +32,12 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 
 from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
 from vlm_sft.model.backends import Backends, resolve_backends
-from vlm_sft.model.context_parallel import NO_CP, ContextParallel, check_heads, split_images
 from vlm_sft.model.decode import DecodeCache, cached_logits
 from vlm_sft.model.layers import init_text_weights
 from vlm_sft.model.load_balance import RouterStats, router_stats
 from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
 from vlm_sft.model.moe import check_grouped_mm_widths, init_moe_weights, is_moe_text_config
+from vlm_sft.model.sequence_split import WHOLE_ROW, SequenceSplit, split_images
 from vlm_sft.model.text_model import Qwen3_5TextDecoder
 from vlm_sft.model.varlen import Segments
 from vlm_sft.model.vision import speed_up_vision_tower
@@ -98,8 +98,10 @@ class Qwen3_5VLM(nn.Module):
         self.tie_weights()
         self.set_activation_checkpointing(activation_checkpointing)
         self.set_vision_trainable(not freeze_vision)
-        self.context_parallel = NO_CP
-        """Under context parallelism: this rank's CP group (``set_context_parallel``)."""
+        self.context_parallel: SequenceSplit = WHOLE_ROW
+        """How every forward's row is split over ranks: ``WHOLE_ROW``, or under context parallelism this rank's CP
+        group, each rank computing the loss of its ``1 / size`` of the tokens. Set only by
+        ``vlm_sft.parallel.parallelize.apply_context_parallel``, which also wraps the token mixers."""
 
     # ----------------------------------------------------------------------------------------- configuration
 
@@ -115,12 +117,6 @@ class Qwen3_5VLM(nn.Module):
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each text decoder layer in backward (non-reentrant ``torch.utils.checkpoint``)."""
         self.model.language_model.activation_checkpointing = bool(enabled)
-
-    def set_context_parallel(self, cp: ContextParallel) -> None:
-        """Split every forward's row over ``cp``'s ranks (``context_parallel``): each computes the loss of its
-        ``1 / cp`` of the tokens. Refused, with the fix, when the head counts do not split over ``cp.size``."""
-        check_heads(self.config.text_config, cp.size)
-        self.context_parallel = cp
 
     def set_vision_trainable(self, trainable: bool) -> None:
         """Freeze (default) or unfreeze the whole vision tower."""
@@ -181,17 +177,15 @@ class Qwen3_5VLM(nn.Module):
         if cache is not None:
             unsupported = dict(target_ids=target_ids, loss_mask=loss_mask, scores=scores, router_mask=router_mask)
             unsupported |= dict(router_probs_grad=router_probs_grad, routing_only=routing_only)
-            return cached_logits(
-                self, cache, input_ids, position_ids, segments, pixel_values, image_grid_thw, mm_token_type_ids,
-                unsupported,
-            )  # fmt: skip
+            images = (pixel_values, image_grid_thw, mm_token_type_ids)
+            return cached_logits(self, cache, input_ids, position_ids, segments, *images, unsupported)
         cp = self.context_parallel
         local = cp.shard if cp.active else (lambda x, dim=0: x)  # under CP: this rank's tokens of the row
         mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(-1)
         embeds_TD = self.model.language_model.embed_tokens(input_ids.reshape(-1))
         embeds_TD = self._merge_vision(embeds_TD, pixel_values, image_grid_thw, mm_T)
         hidden_TD, router_logits = self.model.language_model(
-            local(embeds_TD), local(position_ids.reshape(3, -1), dim=1), segments, self.backends, cp
+            local(embeds_TD), local(position_ids.reshape(3, -1), dim=1), segments, self.backends
         )
         router_T = None if router_mask is None else local(router_mask.reshape(-1))
         router = self._router_stats(router_logits, router_T, router_probs_grad)
@@ -292,13 +286,13 @@ class Qwen3_5VLM(nn.Module):
     def _encode_share(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         """Context parallelism: this rank encodes its block of the images (``split_images``: at most its share of
         the patches plus one image; a rank without one runs the dummy image, so every rank's tower runs) and the
-        features of all images are gathered in image order, gradients flowing back to their rank. Reads the grids
-        on the host once (the split needs the sizes)."""
-        cp, visual = self.context_parallel, self.model.visual
+        features of all images are gathered in image order (``SequenceSplit.gather_rows``), gradients flowing back to
+        their rank. Reads the grids on the host once (the split needs the sizes)."""
+        split, visual = self.context_parallel, self.model.visual
         patches = image_grid_thw.prod(-1).tolist()
         merge = self.config.vision_config.spatial_merge_size**2
-        blocks = split_images(patches, cp.size)
-        start, end = blocks[cp.rank]
+        blocks = split_images(patches, split.size)
+        start, end = blocks[split.rank]
         first = sum(patches[:start])
         if start == end:
             grid, pixels = self._dummy_image(pixel_values.device)
@@ -306,7 +300,7 @@ class Qwen3_5VLM(nn.Module):
         else:
             rows = pixel_values[first : first + sum(patches[start:end])]
             local = visual(rows, grid_thw=image_grid_thw[start:end]).pooler_output
-        return cp.gather_rows(local, [sum(patches[a:b]) // merge for a, b in blocks])
+        return split.gather_rows(local, [sum(patches[a:b]) // merge for a, b in blocks])
 
     def _dummy_image(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The smallest image the tower accepts (one merged token of zero pixels), for micro-batches without one."""

@@ -46,7 +46,8 @@ from vlm_sft.data.accounting import DataAccounting
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import EmptyPassError, PackingPipeline
-from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none, all_reduce
+from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce
+from vlm_sft.parallel.env import DistEnv
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from vlm_sft.data.accounting import DataAccounting
+from vlm_sft.parallel.collectives import all_reduce, gather_objects
+from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer.batches import TrainBatches
-from vlm_sft.trainer.distributed import DistEnv, all_reduce, gather_objects
 
 logger = logging.getLogger(__name__)
 

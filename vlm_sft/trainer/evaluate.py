@@ -20,10 +20,11 @@ import torch
 from torch import nn
 
 from vlm_sft.config import RunConfig
+from vlm_sft.data import build as data_build
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
-from vlm_sft.trainer import build
-from vlm_sft.trainer.distributed import DistEnv, all_reduce
+from vlm_sft.parallel.collectives import all_reduce
+from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer.scoring import filler_batch, score_batch
 
 
@@ -77,13 +78,13 @@ def evaluate(
 
 
 def build_eval_batches(
-    cfg: RunConfig, sources: build.DataSources, renderer, env: DistEnv, pad_id: int
+    cfg: RunConfig, sources: data_build.DataSources, renderer, env: DistEnv, pad_id: int
 ) -> list[PackedBatch]:
     """This rank's share of the held-out packs (rows ``rank, rank + world, ...``), packed ``cat`` (``stack`` for a
     padded run), collated on the CPU once for every eval."""
     if sources.eval is None:
         return []
-    pipeline = build.build_pipeline(
+    pipeline = data_build.build_pipeline(
         cfg,
         sources.eval,
         renderer,

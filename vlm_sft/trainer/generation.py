@@ -36,11 +36,12 @@ from torch import nn
 from renderers import RenderedSample, RenderError
 from vlm_sft.data.mrope import batch_position_ids
 from vlm_sft.model.decode import DecodeCache, decode_position_ids, next_positions
-from vlm_sft.trainer.distributed import DistEnv, all_reduce, gather_objects
+from vlm_sft.parallel.collectives import all_reduce, gather_objects
+from vlm_sft.parallel.env import DistEnv
 
 if TYPE_CHECKING:
     from vlm_sft.config import RunConfig
-    from vlm_sft.trainer.build import DataSources
+    from vlm_sft.data.build import DataSources
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ micro-batches: micro-batch ``m`` contributes ``coef * E / N^2 * C . P_m`` to the
 be known before the first backward:
 
 - one micro-batch per rank: after its forward, ``C`` is read from the device and summed over ranks (one small
-  host all-reduce of ``M x E`` numbers; the trainer's collectives are host tensors, see ``distributed.py``);
+  host all-reduce of ``M x E`` numbers; the trainer's collectives are host tensors, see ``parallel.collectives``);
 - several: a routing pre-pass first runs every micro-batch forward without gradient and without the LM head
   (``Qwen3_5VLM.forward(routing_only=True)``), about a third of a step's compute, only while ``coef > 0``.
 
@@ -32,7 +32,8 @@ from vlm_sft.config import ConfigError
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.model.load_balance import RouterStats, load_balancing_loss
 from vlm_sft.model.moe import is_moe_text_config
-from vlm_sft.trainer.distributed import DistEnv, all_reduce_sum
+from vlm_sft.parallel.collectives import all_reduce_sum
+from vlm_sft.parallel.env import DistEnv
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,11 @@ import torch
 
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.flops import batch_flops
-from vlm_sft.model.context_parallel import NO_CP, ContextParallel
+from vlm_sft.parallel.collectives import check_peers
+from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
+from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer.batches import TrainBatches
 from vlm_sft.trainer.data_accounting import RunAccounting
-from vlm_sft.trainer.distributed import DistEnv, check_peers
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The packing self-check's model slice: a few layers of the (possibly FSDP2-sharded) model, never a copy of it.
 
-The packing check (``vlm_sft.model.packing_check``) compares a packed row with each of its samples alone, both
+The packing check (``vlm_sft.checks.packing_check``) compares a packed row with each of its samples alone, both
 against a float64 reference of the same model. It is self-consistent: every number it judges comes from one model.
 So it does not need the trained model's every layer; it needs every *token-mixing op* at the run's real widths,
 kernels and precision. ``build_slice`` builds that model from the trained one:
@@ -57,12 +57,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from vlm_sft.model.moe import is_moe_text_config
-from vlm_sft.model.sharding import local_rows
 from vlm_sft.model.vlm import Qwen3_5VLM
-from vlm_sft.trainer.distributed import DistEnv, all_reduce, full_tensor
+from vlm_sft.parallel.collectives import all_reduce, full_tensor
+from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.fsdp import is_sharded, local_rows, shard_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ def _skeleton(vlm: Qwen3_5VLM, config, shape: SliceShape) -> Qwen3_5VLM:
     return out
 
 
-def _shard_rows(param: DTensor) -> tuple[torch.Tensor, int]:
+def _shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
     """This rank's local tensor of ``param`` and the index of its first row in the whole tensor (dim 0)."""
     try:
         local, offset, _ = local_rows(param)
@@ -195,7 +195,7 @@ def _take(param: torch.Tensor, rows: torch.Tensor | None, size: torch.Size, env:
     """Rows ``rows`` of ``param`` (None: the first ``size[0]``) narrowed to ``size``'s other dims, a new tensor on
     ``param``'s device; None where ``keep`` is False (a contributing rank). A DTensor is gathered (collective)."""
     whole = rows is None and tuple(size) == tuple(param.shape)
-    if not isinstance(param, DTensor):  # every rank holds all of it: no collective
+    if not is_sharded(param):  # every rank holds all of it: no collective
         part = param.detach() if rows is None else param.detach()[rows.to(param.device)]
         for dim in range(len(size)):
             part = part.narrow(dim, 0, size[dim])
@@ -243,7 +243,7 @@ def build_slice(
     new_pad = None if pad is None else int(remap_ids(torch.tensor([pad]), vocab))
     out = _skeleton(vlm, slice_config(vlm.config, shape, len(vocab), new_pad), shape)
     sources = dict(vlm.named_parameters())
-    if any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in sources.values()) and not env.distributed:
+    if any(shard_ranks(p) > 1 for p in sources.values()) and not env.distributed:
         raise ValueError("build_slice: the model is sharded over several ranks; pass the run's DistEnv, on every rank")
     keep = env.is_main
     filled: dict[int, nn.Parameter] = {}

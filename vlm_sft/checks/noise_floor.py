@@ -2,7 +2,7 @@
 
 Three computations of the same quantity are compared with a fine reference: one that cannot be wrong in the way
 under test (its error is the *floor*: rounding noise of the precision and kernels), one that can (its error is the
-*leak*), and their ratio decides. ``vlm_sft.model.packing_check`` uses it with "the sample alone" and "the sample
+*leak*), and their ratio decides. ``vlm_sft.checks.packing_check`` uses it with "the sample alone" and "the sample
 packed"; nothing here knows about models. Two guards keep a ratio from dividing by an unlucky small floor: a floor
 is raised to the median floor of its peers (samples, parameters), and never drops below ``MIN_FLOOR_REL`` times the
 reference's magnitude (a quantity that is exactly 0 in every computation, like a padding segment's outputs).

@@ -47,10 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vlm_sft.model.backends import Backends, resolve_backends
-from vlm_sft.model.layers import MLP, GatedAttention, GatedDeltaNet, ShortConv
-from vlm_sft.model.moe import SparseMoeBlock
-from vlm_sft.model.noise_floor import (
+from vlm_sft.checks.noise_floor import (
     MIN_FLOOR_REL,
     Deviation,
     GradErrors,
@@ -58,6 +55,9 @@ from vlm_sft.model.noise_floor import (
     max_abs,
     median_raised,
 )
+from vlm_sft.model.backends import Backends, resolve_backends
+from vlm_sft.model.layers import MLP, GatedAttention, GatedDeltaNet, ShortConv
+from vlm_sft.model.moe import SparseMoeBlock
 from vlm_sft.model.vlm import Qwen3_5VLM
 
 logger = logging.getLogger(__name__)

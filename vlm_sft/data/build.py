@@ -1,7 +1,8 @@
-"""From a ``RunConfig`` to the objects a run needs: processor, renderer, data sources, pipeline, model.
+"""From a ``RunConfig`` to the data side of a run: processor, renderer, data sources and packing pipelines.
 
-The trainer, the data report (``python -m vlm_sft.report``) and the packing self-check
-(``python -m vlm_sft.check_packing``) all build through here, so they see exactly the same data and model.
+The trainer, the data report (``python -m vlm_sft.report``), the packing check (``python -m vlm_sft.check_packing``),
+the benchmarks and the notebooks all build through here, so they see exactly the same samples and packs. The model
+side of a run is ``vlm_sft.checkpoint.build``'s.
 """
 
 from __future__ import annotations
@@ -10,9 +11,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
-from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from processors import load_processor, load_tiny_processor
 from renderers import (
@@ -24,7 +22,7 @@ from renderers import (
     served_probes,
 )
 from renderers.served import default_thinking_mode, last_reply_reasons, with_thinking_default
-from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, TINY_MOE_MODEL, ConfigError, RunConfig
+from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, ConfigError, RunConfig
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.shapes import materialize_shapes
@@ -37,7 +35,6 @@ from vlm_sft.data.sources import (
     render_fn,
 )
 from vlm_sft.data.streaming import StreamingRows, local_files
-from vlm_sft.trainer.distributed import DistEnv, all_reduce, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +58,6 @@ def build_processor(cfg: RunConfig) -> Any:
         template = with_thinking_default(processor.chat_template, cfg.data.enable_thinking)
         processor.chat_template = processor.tokenizer.chat_template = template
     return processor
-
-
-def tiny_model_config(cfg: RunConfig) -> Qwen3_5Config | Qwen3_5MoeConfig:
-    """The random-init preset ``model.name_or_path`` names (``tiny`` or ``tiny-moe``) at the config's widths."""
-    from vlm_sft.model.presets import tiny_qwen3_5_config, tiny_qwen3_5_moe_config
-
-    kwargs = {"hidden_size": cfg.model.hidden_size, "vision_hidden_size": cfg.model.hidden_size}
-    if cfg.model.initializer_range is not None:
-        kwargs["initializer_range"] = cfg.model.initializer_range
-    if cfg.model.name_or_path == TINY_MOE_MODEL:
-        return tiny_qwen3_5_moe_config(**kwargs)
-    return tiny_qwen3_5_config(**kwargs)
 
 
 def build_renderer(cfg: RunConfig, processor: Any):
@@ -287,132 +272,3 @@ class TrainPipelines:
             self.cfg, self.source, self.renderer, shard=stream, num_shards=streams, epochs=self.epochs,
             check_skips=True,
         )  # fmt: skip
-
-
-def checkpoint_path(cfg: RunConfig) -> Path | None:
-    """The local directory of ``model.name_or_path`` (a hub id is fetched into the cache), None for a tiny preset."""
-    from vlm_sft.checkpoint.hf_dir import resolve_checkpoint_dir
-
-    return None if cfg.model.name_or_path in TINY_MODELS else resolve_checkpoint_dir(cfg.model.name_or_path)
-
-
-def weights_source(cfg: RunConfig):
-    """The index (headers only) of the checkpoint the run loads its weights from, for the export (each tensor's
-    dtype, the ``mtp.*`` head to copy back); None for a random-init preset."""
-    from vlm_sft.checkpoint.hf_dir import CheckpointIndex
-
-    path = checkpoint_path(cfg)
-    return None if path is None else CheckpointIndex.open(path)
-
-
-def build_model(
-    cfg: RunConfig, device: torch.device, *, env: DistEnv | None = None, resuming: bool = False
-) -> torch.nn.Module:
-    """The run's model: a random-init tiny preset, or a checkpoint (hub id or directory), LoRA-wrapped when asked.
-
-    With ``env`` the model comes back sharded for it (FSDP2, ``shard_model``); a checkpoint is then loaded the
-    sharded way (``vlm_sft.checkpoint.load``): built on meta, wrapped, sharded, materialized, and each rank reads only
-    the rows of its shards. ``resuming``: the weights that the resumed checkpoint restores are not read from the HF
-    checkpoint at all (all of them in a full fine-tuning run; a LoRA run still reads its frozen base).
-
-    Without a ``[model.vlm]`` section the vision tower is frozen, with one warning: its parameters would otherwise
-    receive no gradient and still decay under AdamW. bf16 runs keep fp32 master weights (FSDP2 mixed precision
-    computes in bf16); a bf16 LoRA run stores its frozen base in bf16 beside fp32 adapters.
-    """
-    m = cfg.model
-    if m.vlm is None:
-        logger.warning("no [model.vlm] section: the vision tower is frozen (add [model.vlm] to configure it)")
-    freeze = True if m.vlm is None else m.vlm.freeze_vision
-    frozen_dtype = torch.bfloat16 if m.lora is not None and m.dtype == "bfloat16" else torch.float32
-    compute_dtype = torch.bfloat16 if m.dtype == "bfloat16" else None
-    shard = (lambda model: shard_model(model, env, param_dtype=compute_dtype)) if env is not None else (lambda x: x)
-    reduce = (lambda t: all_reduce(t, env)) if env is not None else None
-    if m.name_or_path in TINY_MODELS:
-        from vlm_sft.model import build_model as build_random
-
-        torch.manual_seed(cfg.train.seed)
-        model = build_random(
-            tiny_model_config(cfg), dtype=torch.float32, freeze_vision=freeze, device=device, **_backend_kwargs(cfg)
-        )
-        if m.lora is not None:
-            _attach_lora(cfg, model, frozen_dtype)
-            _init_lora(cfg, model, None)
-        return shard(model)
-    return _load_checkpoint_model(
-        cfg, device, shard, reduce, freeze=freeze, frozen_dtype=frozen_dtype, resuming=resuming
-    )
-
-
-def _backend_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    m = cfg.model
-    return {
-        "attn_impl": m.attn_impl,
-        "linear_attn_impl": m.linear_attn_impl,
-        "loss_impl": m.loss_impl,
-        "experts_impl": m.experts_impl,
-        "activation_checkpointing": m.activation_checkpointing,
-    }
-
-
-def _load_checkpoint_model(cfg, device, shard, reduce, *, freeze, frozen_dtype, resuming) -> torch.nn.Module:
-    """Meta build -> LoRA wrap -> shard -> materialize -> read this rank's slices (``vlm_sft.checkpoint.load``)."""
-    from vlm_sft.checkpoint.hf_dir import CheckpointIndex
-    from vlm_sft.checkpoint.load import load_model_config, load_weights, materialize, meta_model, plan_reads
-    from vlm_sft.model.backends import resolve_backends
-
-    path = checkpoint_path(cfg)
-    kwargs = _backend_kwargs(cfg)
-    checkpointing = kwargs.pop("activation_checkpointing")
-    backends = resolve_backends(device, **kwargs)
-    model = meta_model(load_model_config(path), backends, freeze_vision=freeze, activation_checkpointing=checkpointing)
-    index = CheckpointIndex.open(path)
-    plan_reads(model, index)  # a checkpoint that does not fit the model fails here, before any allocation
-    if cfg.model.lora is not None:
-        _attach_lora(cfg, model, frozen_dtype)
-    model = shard(model)
-    materialize(model, device)
-    if not resuming:
-        report = load_weights(model, index)
-    elif cfg.model.lora is not None:  # the checkpoint holds the adapters only: the frozen base comes from HF
-        report = load_weights(model, index, select=lambda _, t: not t.requires_grad)
-    else:
-        report = None  # every weight comes from the resumed checkpoint
-    if cfg.model.lora is not None:
-        _init_lora(cfg, model, reduce)
-    read = "nothing (resuming)" if report is None else f"{report.bytes_read / 2**20:.0f} MiB of its shards"
-    logger.info("loaded %s: this rank read %s (backends %s)", path, read, backends)
-    return model
-
-
-def _attach_lora(cfg: RunConfig, model: torch.nn.Module, frozen_dtype: torch.dtype) -> None:
-    """LoRA adapters before any sharding (FSDP2 then shards the wrapped layers), also on a meta model; the base stays
-    frozen, stored in ``frozen_dtype``, and the trainable parameters in fp32."""
-    from vlm_sft.config import LORA_FUSED_GROUPS
-    from vlm_sft.model.lora import attach_lora, store_frozen_in
-
-    lora = cfg.model.lora
-    split = [g for g, members in LORA_FUSED_GROUPS.items() if 0 < len(set(members) & set(lora.target_modules)) < 2]
-    if split:
-        logger.warning(
-            "model.lora.allow_partial_fused: the adapter covers part of the fused group(s) %s; vLLM and SGLang fuse "
-            "these projections and crash on or silently drop such adapters (serve the merged final/ instead)",
-            split,
-        )
-    attach_lora(
-        model, r=lora.r, alpha=lora.alpha, dropout=lora.dropout, targets=lora.target_modules,
-        modules_to_save=lora.modules_to_save,
-    )  # fmt: skip
-    store_frozen_in(model, frozen_dtype)
-
-
-def _init_lora(cfg: RunConfig, model: torch.nn.Module, reduce) -> None:
-    """The adapters' values (the same fp32 draw on every rank and for every base dtype) and the frozen base's
-    fingerprint, which each checkpoint saves and a resume checks (the trainer)."""
-    from vlm_sft.model.lora import base_fingerprint, init_adapters
-
-    init_adapters(model, cfg.train.seed + 1)
-    model.base_fingerprint = base_fingerprint(model, reduce)
-
-
-def resolve_output_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.train.output_dir)

@@ -3,8 +3,8 @@
 ``train.check_packing = true`` makes the trainer call ``run_packing_check`` on every rank after sharding the model;
 the CLI ``python -m vlm_sft.check_packing --config X`` wraps the same function. It takes the first rows of the
 configured packing pipeline (samples capped at ``CHECK_SEQ_LEN`` tokens), builds the model's slice for them
-(``check_slice.build_slice``: the first layer of each kind, a vision block, a few experts, only the rows' vocabulary;
-collectives when the model is sharded) and runs ``vlm_sft.model.packing_check.check_packing`` on the slice for each
+(``checks.slice.build_slice``: the first layer of each kind, a vision block, a few experts, only the rows' vocabulary;
+collectives when the model is sharded) and runs ``vlm_sft.checks.packing_check.check_packing`` on the slice for each
 row (packed row vs every sample alone, both judged against a float64 reference of the slice on the pure-torch
 kernels). It returns the worst report on rank 0 (None elsewhere) and never raises on a failed check: the caller
 decides (the trainer stops every rank, the CLI exits 1). No rank ever holds a copy of the whole model.
@@ -22,13 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlm_sft.checks.packing_check import RATIO_BOUND, PackingReport, check_packing
+from vlm_sft.checks.slice import build_slice, compact_vocab, remap_ids
 from vlm_sft.config import RunConfig
+from vlm_sft.data.build import build_pipeline
 from vlm_sft.data.mrope import sample_position_ids
 from vlm_sft.data.shift import ShiftedSample
-from vlm_sft.model.packing_check import RATIO_BOUND, PackingReport, check_packing
-from vlm_sft.trainer.build import build_pipeline
-from vlm_sft.trainer.check_slice import build_slice, compact_vocab, remap_ids
-from vlm_sft.trainer.distributed import DistEnv, all_ranks_or_none, gather_objects
+from vlm_sft.parallel.collectives import all_ranks_or_none, gather_objects
+from vlm_sft.parallel.env import DistEnv
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Planned memory per rank: what each rank holds at load, in training and at save (estimates, in bytes).
 
 Used two ways: by ``--dry-run`` (``dry_run.py``) on the live, sharded model, where the parameter shard is the rank's
-real one, and without any model (``python -m vlm_sft.trainer.memory_plan``), from a Hugging Face config built on the
+real one, and without any model (``python -m vlm_sft.checks.memory_plan``), from a Hugging Face config built on the
 meta device, to size a job before it is launched. Every figure here is an **estimate**: a model of what the code
 allocates, not a measurement (``--dry-run`` prints the measured peaks beside it).
 
@@ -41,9 +41,9 @@ from torch import nn
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from vlm_sft.config import TINY_MODELS, ConfigError, LoraSettings, RunConfig, cli_parser, parse_cli
-from vlm_sft.flops import qwen3_5_0_8b_config, qwen3_5_9b_config, qwen3_5_27b_config, qwen3_5_35b_a3b_config
 from vlm_sft.model.loss import DEFAULT_CHUNK
 from vlm_sft.model.moe import is_moe_text_config
+from vlm_sft.model.presets import qwen3_5_0_8b_config, qwen3_5_9b_config, qwen3_5_27b_config, qwen3_5_35b_a3b_config
 
 GB = 1e9
 """Figures are printed in GB (10^9 bytes), the unit GPU memory is sold in (an H100 has 80 GB, an H200 141 GB)."""
@@ -89,8 +89,9 @@ class ModelCounts:
     def of_model(cls, model: nn.Module) -> ModelCounts:
         """Counts of a ``Qwen3_5VLM`` on any device, meta included; a sharded DTensor counts its global size."""
         params = list(model.parameters())  # tied parameters once
-        inner = model.model
-        units = [*inner.language_model.layers, inner.visual]
+        from vlm_sft.parallel.parallelize import fsdp_units
+
+        units = fsdp_units(model)  # the decoder layers, then the vision tower
         unit_sizes = [(sum(p.numel() for p in u.parameters()), u) for u in units]
         n_unit, unit = max(unit_sizes, key=lambda x: x[0])
         in_units = sum(n for n, _ in unit_sizes)
@@ -104,7 +105,7 @@ class ModelCounts:
             largest_unit=n_unit,
             largest_unit_trainable=sum(p.numel() for p in unit.parameters() if p.requires_grad),
             lm_head_trains=any(p.requires_grad for p in model.lm_head.parameters()),
-            vision_trains=any(p.requires_grad for p in inner.visual.parameters()),
+            vision_trains=any(p.requires_grad for p in units[-1].parameters()),
         )
 
 
@@ -300,9 +301,10 @@ def hf_config_for(cfg: RunConfig) -> Qwen3_5Config | Qwen3_5MoeConfig:
     local checkpoint directory's ``config.json``."""
     name = cfg.model.name_or_path
     if name in TINY_MODELS:
-        from vlm_sft.trainer.build import tiny_model_config
+        from vlm_sft.model.presets import tiny_preset
 
-        return tiny_model_config(cfg)
+        m = cfg.model
+        return tiny_preset(name, hidden_size=m.hidden_size, initializer_range=m.initializer_range)
     if name in KNOWN_SHAPES:
         return KNOWN_SHAPES[name]()
     if (Path(name).expanduser() / "config.json").is_file():
@@ -392,7 +394,7 @@ def format_table(rows: list[dict], world_size: int) -> str:
     """The table as the README shows it (GB per rank, estimates)."""
     head = f"{'model':<16} {'mode':<5} {'S (GB)':>7} " + " ".join(f"{h:>9}" for _, h in COLUMNS)
     lines = [
-        f"Planned memory per rank at {world_size} GPUs, GB (estimates; vlm_sft/trainer/memory_plan.py): bf16, "
+        f"Planned memory per rank at {world_size} GPUs, GB (estimates; vlm_sft/checks/memory_plan.py): bf16, "
         "activation checkpointing, 16384-token rows, 1 micro-batch, frozen vision",
         head,
         "-" * len(head),
@@ -411,7 +413,7 @@ def format_plan(p: MemoryPlan, title: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = cli_parser(
-        "python -m vlm_sft.trainer.memory_plan",
+        "python -m vlm_sft.checks.memory_plan",
         "Planned memory per rank (estimates). Without --config: the table of Qwen3.5-0.8B, 9B, 27B and 35B-A3B. "
         "With --config: that run's plan (hub ids of those four need no download).",
     )

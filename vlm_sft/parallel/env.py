@@ -1,0 +1,124 @@
+"""Where this process sits in the job: the process group, the device, and leaving both at the end.
+
+accelerate is the launcher and the environment (it sets RANK / WORLD_SIZE / LOCAL_RANK like torchrun); sharding is
+ours (``parallel.fsdp``), done with ``torch.distributed.fsdp.fully_shard`` on a device mesh, so the same code path
+runs on CPU (gloo) and CUDA (NCCL). accelerate's own FSDP plugin does not shard on CPU, which is why it is not used
+(measured-facts.md).
+
+**Which device serves which collective.** NCCL serves CUDA tensors only ("No backend type associated with device type
+cpu"), so on CUDA the process group is created as ``cpu:gloo,cuda:nccl``: FSDP's parameter and gradient collectives
+and context parallelism's all-to-alls run on the GPU through NCCL, and the trainer's own small ones
+(``parallel.collectives``) through gloo.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job."""
+
+    rank: int
+    """Global rank (0 when not distributed)."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank on this node; selects the CUDA device."""
+    device: torch.device
+    """Device this rank computes on."""
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """More than one process: collectives are real."""
+        return self.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """The model is wrapped by FSDP2: with several processes, and on CUDA always (one GPU too), so bf16 runs
+        get FSDP's mixed precision (bf16 compute over fp32 master weights) on one GPU exactly as on many."""
+        return self.distributed or self.device.type == "cuda"
+
+
+def resolve_device(preference: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``cuda`` without a GPU is an error that says so."""
+    if preference == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    if preference == "cuda":
+        raise RuntimeError("train.device = 'cuda' but no CUDA device is visible; set train.device = 'cpu' or 'auto'")
+    return torch.device("cpu")
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The backend map of the process group (rule 1): gloo for CPU tensors always, NCCL for CUDA tensors on CUDA."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) -> DistEnv:
+    """Join the process group the launcher described in the environment (or stay single-process on CPU).
+
+    On CUDA a single process still gets a one-rank group (an in-memory store, no launcher needed), because the model
+    is sharded there too (``DistEnv.sharded``).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_preference, local_rank)
+    env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if env.sharded and not dist.is_initialized():
+        backend = process_group_backend(device)
+        kwargs: dict = {"timeout": timedelta(seconds=timeout_s)}
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            kwargs |= {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        dist.init_process_group(backend=backend, **kwargs)
+        logger.info("rank %d/%d joined the process group (%s) on %s", rank, world_size, backend, device)
+    return env
+
+
+def cleanup(env: DistEnv, *, finished: bool) -> None:
+    """Leave the process group (every rank, at exit, success or failure).
+
+    ``finished`` (every rank got through the run): a barrier first, so no rank tears its gloo pairs down while a peer
+    still has work in flight on them. That alone did not stop the abort at exit after a finished run ("terminate
+    called without an active exception"): it happens later, in the interpreter's teardown, which the CLI skips
+    (``end_process``). After a failure there is no barrier: the failed rank's peers may never reach it."""
+    if env.sharded and dist.is_initialized():
+        if finished:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """End a process of a multi-process run with ``code``, without the interpreter's teardown.
+
+    A finished multi-process run on gloo sometimes aborted after its last line of Python ("terminate called without
+    an active exception", SIGABRT), so its launcher reported a failure for a run whose work was complete. It struck
+    2- and 4-process runs (1 in 38 repeats of a 4-process context-parallel run here, and CI twice), with the barrier
+    and ``destroy_process_group`` of ``cleanup`` done; Python's fault handler showed no Python frame, i.e. the abort is
+    in the C++ destructors that run while the interpreter finalizes. Every file the trainer writes is closed by then
+    (checkpoints, metrics, accounting), so what is left to do is flush what Python still buffers (the log handlers,
+    stdout, stderr) and leave with ``os._exit``, which skips those destructors. Only the CLI calls this, never
+    ``train()`` (a caller in the same process, e.g. a test, keeps its interpreter)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

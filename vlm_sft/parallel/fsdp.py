@@ -1,0 +1,76 @@
+"""FSDP2 applied to a list of units, gradient sync, and the row rule every reader and writer of its shards uses.
+
+``fully_shard_units`` shards each given unit, then the root, over one 1-D mesh (``parallel.mesh``: every rank of the
+job), so each rank holds ``1 / world_size`` of every parameter; which modules are units is ``parallel.parallelize``'s
+choice, the only code that knows the model's module paths. ``param_dtype`` (bf16 runs): FSDP gathers and computes in
+that dtype over fp32 master weights, and reduces gradients in fp32.
+
+**The row rule.** FSDP2 places every parameter as ``Shard(0)`` over its 1-D mesh, in ``torch.chunk`` pieces: the first
+ranks hold ``ceil(n / W)`` rows, the last ones fewer or none. The sharded checkpoint load (each rank reads its rows),
+the LoRA init (each rank keeps its rows of one draw) and the self-check's slice (each rank contributes its rows) all
+need that range (``local_rows``); a plain tensor is held whole, a replicated DTensor too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def fully_shard_units(
+    units: Iterable[nn.Module], root: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None
+) -> nn.Module:
+    """``fully_shard`` every unit in order, then ``root`` (which takes the parameters no unit holds); returns ``root``.
+
+    Each unit's all-gather is one collective that every rank issues on every forward that runs it, so units must run
+    on every rank in every forward (the model runs its vision tower on a dummy image when a micro-batch has none)."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(root, **kwargs)
+    return root
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduce-scatters gradients (FSDP2); off for all but the last micro-batch of a step.
+
+    With sync off, FSDP2 keeps each unit's unsharded gradient (accumulated in its reduce dtype, fp32) until the last
+    micro-batch, then reduces once: 1/micro_batches of the gradient traffic, for one unsharded gradient of the model
+    held per rank during the step. A no-op for a model that is not sharded.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a parameter or state tensor of a sharded model), i.e. not held whole here."""
+    return isinstance(t, DTensor)
+
+
+def shard_ranks(t: torch.Tensor) -> int:
+    """How many ranks ``t`` is spread over (1 for a plain tensor)."""
+    return t.device_mesh.size() if isinstance(t, DTensor) else 1
+
+
+def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(local tensor, first row, end row)`` of ``t`` on dim 0 for this rank (all rows of a plain or replicated
+    tensor). Any other layout is refused: filling it with the wrong rows would be silent."""
+    if not isinstance(t, DTensor):
+        return t, 0, (t.shape[0] if t.dim() else 0)
+    local = t.to_local()
+    if all(isinstance(p, Replicate) for p in t.placements):
+        return local, 0, (t.shape[0] if t.dim() else 0)
+    if t.device_mesh.ndim != 1 or t.placements != (Shard(0),):
+        raise NotImplementedError(f"only FSDP2's Shard(0) over a 1-D mesh is supported, got placements {t.placements}")
+    n, world = t.shape[0], t.device_mesh.size()
+    chunk = -(-n // world)
+    start = min(t.device_mesh.get_local_rank() * chunk, n)
+    stop = min(start + chunk, n)
+    assert local.shape[0] == stop - start, f"local shard has {local.shape[0]} rows, expected {stop - start}"
+    return local, start, stop

@@ -1,0 +1,91 @@
+"""The job's ranks as one device mesh with named dimensions: which ranks share a row, which share the data.
+
+Ranks are laid out row-major over the named dimensions, outermost first:
+
+- ``dp`` (data parallel): ranks that read different rows of the global batch (``trainer.batches.DataLayout`` deals
+  the data streams by this rank's ``dp_rank`` of ``dp_size``).
+- ``cp`` (context parallel, ``train.cp_size``): ``cp`` consecutive ranks (one node's GPUs, where the all-to-alls are
+  fast) hold the same row and each computes ``1 / cp`` of its tokens (``parallel.context_parallel``).
+
+FSDP2 shards every parameter over all the ranks of the mesh (the dimensions flattened into one, ``fsdp_mesh``); the
+trainer's loss scale turns FSDP's average over every rank into the sum that a CP group's gradients need. Expert
+parallelism joins as one more named dimension carved out of ``dp`` (ranks that hold the same experts), with FSDP of
+the experts over the rest; a dimension of size 1 is left out of the device mesh, as torchtitan does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from vlm_sft.config import ConfigError
+from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
+from vlm_sft.parallel.env import DistEnv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How many ranks each dimension takes; their product is the world size."""
+
+    dp: int
+    """Data-parallel ranks: the world size over the other dimensions."""
+    cp: int = 1
+    """Context-parallel ranks per row (``train.cp_size``)."""
+
+    @classmethod
+    def for_world(cls, world_size: int, *, cp_size: int = 1) -> ParallelDims:
+        """The dimensions of a job of ``world_size`` ranks; sizes that do not divide it are refused with the fix."""
+        if cp_size < 1 or world_size % cp_size:
+            raise ConfigError(
+                f"train.cp_size = {cp_size} does not divide the {world_size} ranks; launch a multiple of {cp_size} "
+                "processes or change cp_size"
+            )
+        return cls(dp=world_size // cp_size, cp=cp_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp
+
+    def named(self) -> tuple[tuple[str, int], ...]:
+        """``(name, size)`` of every dimension of size > 1, outermost first (at least ``dp``)."""
+        dims = (("dp", self.dp), ("cp", self.cp))
+        return tuple((n, s) for n, s in dims if s > 1) or (("dp", self.dp),)
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """This rank's place in the mesh, and the groups its collectives use."""
+
+    dims: ParallelDims
+    dp_rank: int
+    """Which rows of the global batch this rank reads (its CP group's index)."""
+    cp: ContextParallel
+    """This rank's context-parallel group (``NO_CP`` without context parallelism)."""
+    device_mesh: DeviceMesh | None
+    """The named mesh (None: one process on the CPU, nothing sharded)."""
+    fsdp_mesh: DeviceMesh | None
+    """Every rank of ``device_mesh`` in one dimension: what FSDP2 shards over (None: not sharded)."""
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp
+
+
+def build_mesh(env: DistEnv, *, cp_size: int = 1) -> ParallelMesh:
+    """The mesh of ``env``'s job for ``train.cp_size`` (a collective: every rank calls it, in the same order)."""
+    dims = ParallelDims.for_world(env.world_size, cp_size=cp_size)
+    if not env.sharded:  # one CPU process: nothing to shard, no group to build
+        return ParallelMesh(dims, 0, NO_CP, None, None)
+    names, sizes = zip(*dims.named(), strict=True)
+    mesh = init_device_mesh(env.device.type, sizes, mesh_dim_names=names)
+    fsdp = mesh if len(names) == 1 else mesh[names]._flatten("_".join(names))
+    cp = NO_CP
+    if dims.cp > 1:
+        cp = ContextParallel(group=mesh.get_group("cp"), rank=mesh.get_local_rank("cp"), size=dims.cp)
+    dp_rank = mesh.get_local_rank("dp") if dims.dp > 1 else 0
+    logger.info("mesh %s: this rank is dp rank %d, cp rank %d", dict(dims.named()), dp_rank, cp.rank)
+    return ParallelMesh(dims, dp_rank, cp, mesh, fsdp)
