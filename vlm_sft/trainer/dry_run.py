@@ -12,9 +12,8 @@ import time
 
 from vlm_sft.checks.memory_report import FirstStep, report
 from vlm_sft.config import RunConfig
-from vlm_sft.parallel.env import cleanup, init_distributed
 from vlm_sft.trainer.loop import RunResult
-from vlm_sft.trainer.setup import setup
+from vlm_sft.trainer.setup import running
 from vlm_sft.trainer.step_batches import next_step_batches
 
 
@@ -22,23 +21,14 @@ def dry_run(cfg: RunConfig) -> RunResult:
     """Set up, draw step 1's batches, report the memory per rank (every rank calls this); a result of 0 steps whose
     ``data`` is the sample accounting of those batches. The process group is left at exit."""
     t_start = time.perf_counter()
-    env = init_distributed(cfg.train.device)
-    finished = False
-    run = None
-    try:
-        run = setup(cfg, env)
-        step = next_step_batches(run.train_batches, cfg.train.micro_batches, env, run.model, run.accounting, run.cp)
+    with running(cfg) as run:
+        step = next_step_batches(run.train_batches, cfg.train.micro_batches, run.env, run.model, run.accounting, run.cp)
         first = None if step is None else FirstStep(len(step.batches), step.capacity, step.real, step.trainable)
         table = report(
-            cfg, env, run.model, run.out_dir, first_step=first, compute_dtype=run.compute_dtype,
+            cfg, run.env, run.model, run.out_dir, first_step=first, compute_dtype=run.compute_dtype,
             weights_source=run.weights_source,
         )  # fmt: skip
-        if env.is_main:
+        if run.env.is_main:
             print(table.format(), flush=True)
         data = run.accounting.report(0, "dry run")
-        finished = True
-    finally:
-        if run is not None:
-            run.metrics.close()
-        cleanup(env, finished=finished)
     return RunResult(0, None, {}, time.perf_counter() - t_start, 0.0, data.to_dict())

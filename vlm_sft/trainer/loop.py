@@ -30,14 +30,13 @@ from vlm_sft.checkpoint.state import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.config import RunConfig
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum
-from vlm_sft.parallel.env import cleanup, init_distributed
 from vlm_sft.parallel.fsdp import set_gradient_sync
 from vlm_sft.parallel.parallelize import context_parallel_off
 from vlm_sft.trainer.evaluate import evaluate, format_eval
 from vlm_sft.trainer.generation import evaluate_generation
 from vlm_sft.trainer.metrics import peak_memory_mb, step_breakdown
 from vlm_sft.trainer.router_balance import StepRouting, routing_metrics
-from vlm_sft.trainer.setup import Run, setup
+from vlm_sft.trainer.setup import Run, running
 from vlm_sft.trainer.step_batches import StepBatches, next_step_batches
 
 logger = logging.getLogger(__name__)
@@ -80,19 +79,13 @@ def train(cfg: RunConfig) -> RunResult:
     """Run the configured job to its end; every rank calls this. The process group is left at exit. (The dry run,
     which stops before the first step, is ``trainer.dry_run.dry_run``.)"""
     t_start = time.perf_counter()
-    env = init_distributed(cfg.train.device)
-    finished = False
-    run = None
-    try:
-        run = setup(cfg, env)
+    with running(cfg) as run:
         last_eval, train_time, real_tokens = run_steps(run)
         data = run.accounting.report(run.step, "end of the run")
-        final_dir = export_final(run.out_dir / "final", run.model, run.processor, env, cfg, source=run.weights_source)
-        finished = True
-    finally:
-        if run is not None:  # the tracker runs end with the run, also after a dry run or a failure
-            run.metrics.close()
-        cleanup(env, finished=finished)
+        final_dir = export_final(
+            run.out_dir / "final", run.model, run.processor, run.env, cfg, source=run.weights_source
+        )
+    env = run.env
     wall = time.perf_counter() - t_start
     tok_s = real_tokens / max(train_time, 1e-9)
     if env.is_main:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from vlm_sft.data import build as data_build
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.parallel.collectives import all_ranks_or_none
 from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
-from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.env import DistEnv, cleanup, init_distributed
 from vlm_sft.parallel.mesh import build_mesh
 from vlm_sft.trainer.batches import (
     DataLayout,
@@ -84,6 +86,24 @@ class Run:
         self.timer = StepTimer(self.env.device)
         # The vision tower's share of each forward (it runs once per forward, on a dummy image when there is none).
         self.vision_timer = ModuleTimer(self.model.model.visual, self.env.device)
+
+
+@contextmanager
+def running(cfg: RunConfig) -> Iterator[Run]:
+    """The set-up run of this process (every rank enters this), joined to the job's process group; on the way out,
+    also after a failure, the run's tracker runs end and the process leaves the group (after a barrier only when the
+    block finished: a failed rank's peers may never reach it)."""
+    env = init_distributed(cfg.train.device)
+    finished = False
+    run = None
+    try:
+        run = setup(cfg, env)
+        yield run
+        finished = True
+    finally:
+        if run is not None:
+            run.metrics.close()
+        cleanup(env, finished=finished)
 
 
 def setup(cfg: RunConfig, env: DistEnv) -> Run:
