@@ -244,6 +244,11 @@ class TrainConfig(_Section):
     """Context parallelism: groups of this many consecutive ranks split each packed row (Ulysses: every rank holds
     1/cp_size of the tokens; attention and GatedDeltaNet heads are split across the group). Data parallelism is
     world_size / cp_size. Needs data.pack_len divisible by it, and head counts it splits (checked at start)."""
+    ep_size: int = Field(1, ge=1)
+    """Expert parallelism (Qwen3.5-MoE): groups of this many consecutive ranks split every MoE layer's routed experts
+    (each rank holds num_experts / ep_size of them whole) and send each token to its experts' ranks and back (two
+    all-to-alls per MoE layer; no token dropped). Needs an MoE model, num_experts divisible by it, and world_size a
+    multiple of it (checked at start); not combined with train.cp_size > 1."""
     grad_sync: Literal["step", "micro_batch"] = "step"
     """When sharded gradients are reduce-scattered: once per ``step`` (after the last micro-batch: 1/micro_batches
     of the traffic, but each rank holds the whole model's unsharded fp32 gradient during the step, 4 bytes per
@@ -386,6 +391,11 @@ class RunConfig(_Section):
             raise ConfigError(
                 f"train.cp_size = {t.cp_size} splits every packed row evenly over its ranks: use data.packing 'bfd' or "
                 f"'cat' (got {d.packing!r}) with data.pack_len a multiple of {t.cp_size} (got {d.pack_len})"
+            )
+        if t.ep_size > 1 and t.cp_size > 1:
+            raise ConfigError(
+                f"train.ep_size = {t.ep_size} with train.cp_size = {t.cp_size}: expert parallelism and context "
+                "parallelism are not combined yet; set one of them to 1"
             )
         if d.packing == "stack" and d.max_image_patches_per_pack is not None:
             raise ConfigError(
