@@ -75,7 +75,7 @@ def build_model(
         logger.warning("no [model.vlm] section: the vision tower is frozen (add [model.vlm] to configure it)")
     freeze = True if m.vlm is None else m.vlm.freeze_vision
     if env is not None and mesh is None:
-        mesh = build_mesh(env, cp_size=cfg.train.cp_size)
+        mesh = build_mesh(env, cp_size=cfg.train.cp_size, ep_size=cfg.train.ep_size)
     frozen_dtype = torch.bfloat16 if m.lora is not None and m.dtype == "bfloat16" else torch.float32
     spread = functools.partial(
         parallelize, mesh=mesh, activation_checkpointing=m.activation_checkpointing,

@@ -39,11 +39,26 @@ one, ``Experts.forward`` / ``SparseMoeBlock.forward`` take its name):
   such as the gradient of a ``.sum()`` of the product. Here the elementwise products after each grouped product
   already hand it a dense gradient; ``_grouped_linear`` densifies it anyway, so the product is safe on its own.
 
+Activation checkpointing replays the forward's routing (``RoutingReplay``). A checkpointed decoder layer is run
+again in backward; if that recompute picked other top-k experts than the forward did (near-tied probabilities, bf16,
+a nondeterministic kernel), torch's non-reentrant checkpoint would raise on the changed saved-tensor shapes or, where
+the shapes happen to agree, silently compute gradients for a routing the forward never used. So the decoder passes
+``routing_replay_contexts`` as the checkpoint's ``context_fn``: each checkpointed call gets its own ``RoutingReplay``;
+its forward records every MoE block's ``experts_TK`` in call order (int64, ``8 T K`` bytes per block), and its
+recompute hands them back to the router, which skips the top-k and gathers the recomputed probabilities at those
+ids. The weights, and so every gradient, are then exactly those of the forward. The forward takes its weights the
+same way (top-k ids from detached probabilities, then a ``gather``), which is the same numbers and gradient as
+``torch.topk``'s values and makes forward and recompute save the same tensors. The record lives in the checkpoint's
+closure, so it is freed with the autograd graph: no global stash to go stale across micro-batches or a no-grad
+forward (which never records: checkpoint does not run there). Outside a checkpointed call nothing is recorded.
+
 Legend: T = tokens, D = hidden size, E = experts, K = experts per token (top-k), I = expert intermediate size,
 F = 2I (fused gate and up rows), N = T * K routed token slots.
 """
 
 from __future__ import annotations
+
+from contextvars import ContextVar, Token
 
 import torch
 import torch.nn.functional as F
@@ -61,18 +76,32 @@ def is_moe_text_config(config: object) -> bool:
     return isinstance(config, Qwen3_5MoeTextConfig)
 
 
-def route(x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(
+    x_TD: torch.Tensor, weight_ED: torch.Tensor, top_k: int, experts_TK: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-k softmax routing as ``Qwen3_5MoeTopKRouter`` computes it; returns ``(logits_TE, weights_TK, experts_TK)``.
 
     The softmax runs in float32 whatever the input dtype (bf16 probabilities would tie and flip near-equal experts);
     the top-k weights are renormalised to sum to 1 and cast back to the logits' dtype, which is the dtype the expert
-    outputs are scaled in. ``experts_TK`` is int64, ordered by descending probability like ``torch.topk``.
+    outputs are scaled in. ``experts_TK`` is int64, ordered by descending probability like ``torch.topk``; passed in
+    (a checkpoint recompute replaying its forward's choice, ``RoutingReplay``), it is used instead of a new top-k.
+    The weights are the probabilities gathered at the ids either way: the values and gradient of ``torch.topk``'s.
     """
     logits_TE = F.linear(x_TD, weight_ED)
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    top_TK, experts_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if experts_TK is None:
+        experts_TK = select_experts(probs_TE, top_k)
+    top_TK = probs_TE.gather(-1, experts_TK)
     weights_TK = (top_TK / top_TK.sum(dim=-1, keepdim=True)).to(logits_TE.dtype)
     return logits_TE, weights_TK, experts_TK
+
+
+def select_experts(probs_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The ids ``[T, K]`` (int64) of each token's ``top_k`` most probable experts, descending, as ``torch.topk``.
+
+    On detached probabilities: the choice carries no gradient, and no autograd node means no saved tensor that a
+    replayed recompute (which skips this) would lack."""
+    return torch.topk(probs_TE.detach(), top_k, dim=-1).indices
 
 
 def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,8 +244,11 @@ class TopKRouter(nn.Module):
         self.top_k = config.num_experts_per_tok
         self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
 
-    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return route(x_TD, self.weight, self.top_k)
+    def forward(
+        self, x_TD: torch.Tensor, experts_TK: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``experts_TK``: ids to reuse instead of a new top-k (a replayed recompute), else None."""
+        return route(x_TD, self.weight, self.top_k, experts_TK)
 
 
 class Experts(nn.Module):
@@ -264,10 +296,63 @@ class SparseMoeBlock(nn.Module):
         """``experts_impl`` names the routed-expert path (``EXPERT_PATHS``; ``Backends.experts`` once resolved)."""
         if x_TD.dim() != 2:
             raise ValueError(f"SparseMoeBlock takes flattened tokens [T, D]; got shape {tuple(x_TD.shape)}")
-        logits_TE, weights_TK, experts_TK = self.gate(x_TD)
+        replay = _ACTIVE_REPLAY.get()
+        logits_TE, weights_TK, experts_TK = self.gate(x_TD) if replay is None else replay.route(self.gate, x_TD)
         routed_TD = self.experts(x_TD, experts_TK, weights_TK, impl=experts_impl)
         shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
         return routed_TD + shared_TD, logits_TE
+
+
+class RoutingReplay:
+    """The top-k expert ids that one checkpointed call's forward chose, one ``[T, K]`` tensor per MoE block in call
+    order, handed back in that order to each recompute of the call (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.experts: list[torch.Tensor] = []
+        """``experts_TK`` of each MoE block the forward ran; never modified in place (the recompute reuses them)."""
+
+
+class _ReplayMode:
+    """Makes a ``RoutingReplay`` the active one while entered: recording (the checkpointed forward) or replaying (a
+    recompute). Re-enterable, as torch enters the recompute context once per recompute (a retained graph's second
+    backward recomputes again, from the first block)."""
+
+    def __init__(self, replay: RoutingReplay, recording: bool) -> None:
+        self.replay, self.recording = replay, recording
+        self._next = 0
+        self._token: Token | None = None
+
+    def __enter__(self) -> _ReplayMode:
+        self._next = 0
+        self._token = _ACTIVE_REPLAY.set(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE_REPLAY.reset(self._token)
+
+    def route(self, router: TopKRouter, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``router(x_TD)``, recording its expert ids, or given the recorded ones of this block when replaying."""
+        if self.recording:
+            logits_TE, weights_TK, experts_TK = router(x_TD)
+            self.replay.experts.append(experts_TK)
+            return logits_TE, weights_TK, experts_TK
+        assert self._next < len(self.replay.experts), "a recompute ran more MoE blocks than its forward"
+        experts_TK = self.replay.experts[self._next]
+        assert experts_TK.shape[0] == x_TD.shape[0], (experts_TK.shape, x_TD.shape)
+        self._next += 1
+        return router(x_TD, experts_TK)
+
+
+_ACTIVE_REPLAY: ContextVar[_ReplayMode | None] = ContextVar("moe_routing_replay", default=None)
+"""The replay of the checkpointed call now running (forward or recompute); None outside one."""
+
+
+def routing_replay_contexts() -> tuple[_ReplayMode, _ReplayMode]:
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: a fresh ``RoutingReplay``
+    per checkpointed call, recorded by its forward and replayed by its recompute. Eager only: under
+    ``torch.compile`` torch wants two ``TorchDispatchMode`` contexts here."""
+    replay = RoutingReplay()
+    return _ReplayMode(replay, recording=True), _ReplayMode(replay, recording=False)
 
 
 @torch.no_grad()

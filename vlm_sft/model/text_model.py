@@ -19,7 +19,7 @@ from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
 from vlm_sft.model.backends import Backends
 from vlm_sft.model.layers import DecoderLayer, RMSNorm
-from vlm_sft.model.moe import SparseMoeBlock, is_moe_text_config
+from vlm_sft.model.moe import SparseMoeBlock, is_moe_text_config, routing_replay_contexts
 from vlm_sft.model.rotary import MRopeRotary
 from vlm_sft.model.varlen import Segments
 
@@ -48,7 +48,8 @@ class Qwen3_5TextDecoder(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = MRopeRotary(config)
         self.activation_checkpointing = False
-        """Recompute each decoder layer in backward (``torch.utils.checkpoint``, non-reentrant)."""
+        """Recompute each decoder layer in backward (``torch.utils.checkpoint``, non-reentrant); an MoE layer's
+        recompute reuses the experts its forward chose (``moe.routing_replay_contexts``)."""
 
     def forward(
         self,
@@ -70,7 +71,8 @@ class Qwen3_5TextDecoder(nn.Module):
             if cache is not None:
                 h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends, cache.layers[i])
             elif self.activation_checkpointing and torch.is_grad_enabled():
-                h_TD, logits_TE = checkpoint(layer, h_TD, cos_TR, sin_TR, segments, backends, use_reentrant=False)
+                args = (h_TD, cos_TR, sin_TR, segments, backends)
+                h_TD, logits_TE = checkpoint(layer, *args, use_reentrant=False, context_fn=routing_replay_contexts)
             else:
                 h_TD, logits_TE = layer(h_TD, cos_TR, sin_TR, segments, backends)
             if logits_TE is not None:

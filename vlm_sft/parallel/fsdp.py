@@ -23,14 +23,20 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 def fully_shard_units(
-    units: Iterable[nn.Module], root: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None
+    units: Iterable[nn.Module],
+    root: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """``fully_shard`` every unit in order, then ``root`` (which takes the parameters no unit holds); returns ``root``.
 
     Each unit's all-gather is one collective that every rank issues on every forward that runs it, so units must run
-    on every rank in every forward (the model runs its vision tower on a dummy image when a micro-batch has none)."""
+    on every rank in every forward (the model runs its vision tower on a dummy image when a micro-batch has none).
+    ``ignored``: parameters FSDP2 neither shards, gathers nor reduces (expert parallelism's experts)."""
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {})
+    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {}) | ({"ignored_params": ignored} if ignored else {})
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(root, **kwargs)
@@ -46,6 +52,31 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+
+
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Clip the gradients of ``params`` to a total 2-norm of ``max_norm`` (None: no clipping); returns the norm as a
+    plain device scalar, read later with the step's other figures (no host sync here).
+
+    torch's ``clip_grad_norm_`` stacks the per-parameter norms, which DTensors on different meshes refuse (FSDP2's
+    shards live on the whole mesh, expert parallelism's experts on their group's): the norm is taken per mesh here,
+    each made whole, then combined."""
+    params = [p for p in params if p.grad is not None]
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    if len(by_mesh) <= 1:  # one mesh (or none): torch's own
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    if max_norm is not None:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in (p.grad for p in params)], coef)
+    return total
 
 
 def is_sharded(t: torch.Tensor) -> bool:

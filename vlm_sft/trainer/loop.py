@@ -30,8 +30,8 @@ from vlm_sft.checkpoint.state import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.config import RunConfig
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum
-from vlm_sft.parallel.fsdp import set_gradient_sync
-from vlm_sft.parallel.parallelize import context_parallel_off
+from vlm_sft.parallel.fsdp import clip_grad_norm_, set_gradient_sync
+from vlm_sft.parallel.parallelize import context_parallel_off, finish_gradients
 from vlm_sft.trainer.evaluate import evaluate, format_eval
 from vlm_sft.trainer.generation import evaluate_generation
 from vlm_sft.trainer.metrics import peak_memory_mb, step_breakdown
@@ -169,6 +169,7 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
         loss.backward()
         timer.mark("backward_s")
         loss_sum += out.loss_sum.detach()
+    finish_gradients(model)  # the gradients FSDP2 does not reduce (expert parallelism's)
     grad_norm = _clip(model, run.cfg.train.grad_clip)
     run.optimizer.step()
     run.scheduler.step()
@@ -218,10 +219,7 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.zeros((), device=next(model.parameters()).device)
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return norm
+    return clip_grad_norm_(params, max_norm)
 
 
 # ------------------------------------------------------------------------------------------ eval and saving

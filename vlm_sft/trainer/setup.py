@@ -118,7 +118,9 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         data_build.check_served_template(cfg, processor, renderer, sources.train, warn=env.is_main)
     with all_ranks_or_none(env, "finding the checkpoint to resume from"):
         resume_from = resolve_resume(cfg.train.resume, out_dir)
-    mesh = build_mesh(env, cp_size=cfg.train.cp_size)  # a collective: every rank, outside the agreements
+    mesh = build_mesh(
+        env, cp_size=cfg.train.cp_size, ep_size=cfg.train.ep_size
+    )  # a collective: every rank, outside the agreements
     # The data's global streams, and which this rank reads (a CP group shares its rows: its data-parallel rank's).
     layout = DataLayout(
         mesh.dp_rank, mesh.dp_size, cfg.train.micro_batches, cfg.data.streams_per_micro_batch, mesh.dims.cp
