@@ -1,8 +1,9 @@
 """One rank of the sharded self-check test (``test_self_check.py``), launched by torchrun over gloo on 2 processes.
 
-Every rank builds the same tiny model (dense, MoE, dense with LoRA over a bf16 base); rank 0 first builds the
-packing check's slice of the unsharded model alone; then the model is ``fully_shard``-ed over both ranks and every
-rank builds the slice again (its gathers are collectives). Rank 0 saves both slices' state dicts and flags to
+Every rank builds the same tiny model (dense, MoE, dense with LoRA over a bf16 base, MoE with its experts held by
+expert-parallel groups of one rank, i.e. one copy per rank); rank 0 first builds the packing check's slice of the
+unsharded model alone; then the model is ``fully_shard``-ed over both ranks and every rank builds the slice again
+(its gathers are collectives). Rank 0 saves both slices' state dicts and flags to
 ``$SLICE_OUT/<name>.pt``; then every rank runs the trainer's ``run_packing_check`` on the sharded tiny run
 (``$SLICE_RUN`` holds its overrides), and rank 0 saves the report to ``$SLICE_OUT/report.json``.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -28,7 +30,9 @@ from vlm_sft.data import build as data_build
 from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 from vlm_sft.model.lora import attach_lora, store_frozen_in
 from vlm_sft.parallel.env import DistEnv
-from vlm_sft.parallel.parallelize import shard_model
+from vlm_sft.parallel.expert_parallel import ExpertParallel, shard_experts, wrap_experts
+from vlm_sft.parallel.fsdp import fully_shard_units
+from vlm_sft.parallel.parallelize import fsdp_units, routed_experts, shard_model
 
 VOCAB = torch.tensor(sorted({0, 3, 1040, 1041, 2047, tiny_qwen3_5_config().text_config.pad_token_id}))
 """Ids on both ranks' halves of the vocabulary (2081 rows: rank 0 holds 0-1040), the pad id among them."""
@@ -47,6 +51,20 @@ def models():
     attach_lora(lora, r=4, alpha=8, dropout=0.0, targets=["q_proj", "in_proj_qkv", "down_proj"])
     store_frozen_in(lora, torch.bfloat16)
     yield "lora", lora, SliceShape((0, 3), 1, mlp_width=40)
+    torch.manual_seed(0)
+    yield "moe_ep", build_model(moe, freeze_vision=False), SliceShape((0, 3), 1, experts=3, top_k=2, mlp_width=24)
+
+
+def expert_copies(model, env):
+    """``model`` spread as expert parallelism spreads it with two copies of the experts (groups of one rank, ``edp``
+    2): each rank holds every expert, the rest is FSDP2-sharded over both ranks."""
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("edp", "ep"))
+    ep = ExpertParallel(mesh["ep"], 0, 1, mesh.get_group("edp"), env.world_size)
+    experts, ignored = routed_experts(model), set()
+    for module in experts:
+        ignored.update(shard_experts(module, ep))
+    wrap_experts(experts, ep)
+    return fully_shard_units(fsdp_units(model), model, init_device_mesh("cpu", (2,)), ignored=ignored)
 
 
 def state(model) -> dict:
@@ -63,7 +81,8 @@ def main() -> None:
     out = Path(os.environ["SLICE_OUT"])
     for name, model, shape in models():
         alone = build_slice(copy.deepcopy(model), VOCAB, shape=shape) if rank == 0 else None
-        sharded = build_slice(shard_model(model, env), VOCAB, env, shape)
+        spread = expert_copies(model, env) if name == "moe_ep" else shard_model(model, env)
+        sharded = build_slice(spread, VOCAB, env, shape)
         assert (sharded is None) == (rank != 0)
         if rank == 0:
             torch.save({"alone": state(alone), "sharded": state(sharded)}, out / f"{name}.pt")

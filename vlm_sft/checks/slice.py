@@ -62,7 +62,7 @@ from vlm_sft.model.moe import is_moe_text_config
 from vlm_sft.model.vlm import Qwen3_5VLM
 from vlm_sft.parallel.collectives import all_reduce, full_tensor
 from vlm_sft.parallel.env import DistEnv
-from vlm_sft.parallel.fsdp import is_sharded, local_rows, shard_ranks
+from vlm_sft.parallel.fsdp import holds_first_copy, is_sharded, local_rows, shard_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +206,8 @@ def _take(param: torch.Tensor, rows: torch.Tensor | None, size: torch.Size, env:
     rows = torch.arange(size[0]) if rows is None else rows
     local, offset = _shard_rows(param)
     mine = (rows >= offset) & (rows < offset + local.shape[0])
+    if not holds_first_copy(param):  # expert parallelism's other copies of these rows: counted once, by the first
+        mine &= False
     part = local[(rows[mine] - offset).to(local.device)]
     for dim in range(1, len(size)):
         part = part.narrow(dim, 0, size[dim])

@@ -89,6 +89,15 @@ def shard_ranks(t: torch.Tensor) -> int:
     return t.device_mesh.size() if isinstance(t, DTensor) else 1
 
 
+def holds_first_copy(t: torch.Tensor) -> bool:
+    """Whether this rank's part of ``t`` is the one a sum over all ranks should count. An FSDP2 shard exists once; an
+    expert-parallel shard lives on its ``ep`` group, and every other group (the ``edp`` copies) holds the same rows:
+    the group that holds rank 0 counts them (the groups partition the ranks, so exactly one does)."""
+    if not isinstance(t, DTensor):
+        return True
+    return 0 in t.device_mesh.mesh.flatten().tolist()
+
+
 def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``(local tensor, first row, end row)`` of ``t`` on dim 0 for this rank (all rows of a plain or replicated
     tensor). Any other layout is refused: filling it with the wrong rows would be silent."""
