@@ -5,7 +5,8 @@
   gradients, and each expert's gradient).
 - The trainer: ep 2 on 2 processes == 1 process with 2 micro-batches (losses, router statistics, gradient norms and
   the final weights), with activation checkpointing on; an ep 2 checkpoint resumed on 1 process continues with the
-  uninterrupted losses; a dense model, or sizes that do not divide, are refused with the fix.
+  uninterrupted losses; a checkpoint loaded with ep 2 and exported after a step at lr 0 is the input bit for bit; a
+  dense model, or sizes that do not divide, are refused with the fix.
 """
 
 from __future__ import annotations
@@ -98,8 +99,16 @@ def ep_runs(tmp_path_factory) -> dict[str, Path]:
         run.wait(300)
     checkpoint = root / "ep2" / "run" / "checkpoints" / "step-000002"
     resumed = {"train.micro_batches": 2, "train.resume": str(checkpoint)}
-    Background(tiny_run_args(root / "resumed", **COMMON, **resumed)).wait(300)
-    return {name: root / name / "run" for name in (*layouts, "resumed")}
+    frozen = {  # the 1-process run's final/ loaded (each rank reads its experts), one step at lr 0, exported
+        "model.name_or_path": str(root / "1" / "run" / "final"), "model.initializer_range": "none", "train.lr": 0.0,
+        "train.max_steps": 1,
+        "train.ep_size": 2,
+    }  # fmt: skip
+    later = [Background(tiny_run_args(root / "resumed", **COMMON, **resumed))]
+    later.append(Background(tiny_run_args(root / "lr0", **(COMMON | frozen)), nproc=2))
+    for run in later:
+        run.wait(300)
+    return {name: root / name / "run" for name in (*layouts, "resumed", "lr0")}
 
 
 def _losses(run: Path) -> list[tuple]:
@@ -125,6 +134,17 @@ def test_an_ep2_checkpoint_resumes_on_one_process(ep_runs):
     assert resumed[0][1:] == pytest.approx(_losses(ep_runs["1"])[2][1:], rel=1e-5)
     state = json.loads((ep_runs["ep2"] / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
     assert state["world_size"] == 2
+
+
+def test_an_ep2_export_at_lr_0_is_the_input_checkpoint_bit_for_bit(ep_runs):
+    """The sharded load puts each expert on its rank, the streamed export gathers it back: nothing changes a bit."""
+    source, exported = ({} for _ in range(2))
+    for folder, out in ((ep_runs["1"] / "final", source), (ep_runs["lr0"] / "final", exported)):
+        for path in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(path))
+    assert source.keys() == exported.keys() and any(".experts.0." in k for k in source)
+    for key, value in source.items():
+        assert exported[key].dtype == value.dtype and torch.equal(exported[key], value), key
 
 
 def test_sizes_that_do_not_fit_are_refused_with_the_fix(tmp_path):

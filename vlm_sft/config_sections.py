@@ -274,6 +274,12 @@ class TrainConfig(_Section):
     """AdamW decay, never applied to norms, biases and embeddings."""
     betas: tuple[float, float] = (0.9, 0.98)
     """AdamW betas."""
+    optimizer_impl: Literal["fused", "foreach"] = "fused"
+    """How torch's AdamW runs its step; the update is the same to float rounding. ``fused``: one kernel per
+    device updates every tensor in place, with no step temporaries (torchtitan's default). ``foreach``: a
+    sequence of multi-tensor ops that allocates one fp32 copy of the trainable shard per step (4 bytes per
+    trainable parameter / world_size beyond the AdamW state; 17 GB per GPU for Qwen3.5-35B-A3B on 8). Measured:
+    ``bench/bench_optimizer.py``."""
     grad_clip: float | None = Field(1.0, gt=0)
     """Max global gradient norm; None disables clipping."""
     output_dir: str = "outputs/debug"

@@ -14,8 +14,8 @@ the checkpoint on disk (2 for the released bf16 checkpoints), ``S`` the checkpoi
   = shard ``(4 N_t + f N_f) / W`` + read buffer ``n_max / W * (k + 4)`` (the rows of the largest tensor, read in
   the checkpoint dtype and cast to fp32).
 - **training** = parameters ``(4 N_t + f N_f) / W`` + gradients ``4 N_t / W`` + AdamW state ``8 N_t / W`` (exp_avg
-  and exp_avg_sq, fp32) + the optimizer step's temporaries ``8 N_t / W`` (torch's default ``foreach`` AdamW keeps
-  about two parameter-sized fp32 buffers of the trainable shard) + accumulated gradients ``4 N_t`` (only with
+  and exp_avg_sq, fp32) + the optimizer step's temporaries ``t 4 N_t / W`` (``STEP_TEMPORARY_COPIES``: ``t = 0``
+  for ``train.optimizer_impl = "fused"``, ``t = 1`` for ``"foreach"``) + accumulated gradients ``4 N_t`` (only with
   ``micro_batches > 1`` and ``grad_sync = "step"`` on a sharded model: FSDP2 keeps every unit's *unsharded* fp32
   gradient until the step's last micro-batch) + gathered weights ``c (n_root + 2 n_unit) + 4 n_unit_t`` (FSDP2 keeps
   the root unit, embeddings + LM head + final norm, gathered through forward and backward, gathers one decoder
@@ -50,6 +50,13 @@ GB = 1e9
 MAX_SHARD_BYTES = 5 * 10**9
 """The export's bound on one safetensors file (``save_pretrained``'s default ``max_shard_size = "5GB"``)."""
 FP32 = 4
+STEP_TEMPORARY_COPIES = {"fused": 0, "foreach": 1}
+"""fp32 copies of the trainable shard that one AdamW step allocates beyond its state, per ``train.optimizer_impl``.
+Measured on the CPU (torch 2.13, ``bench/bench_optimizer.py``, plain and FSDP2 DTensor parameters): ``fused``
+updates in place and raises the peak by a few KiB for a 385 MiB shard; ``foreach`` by 1.00 x the shard:
+``torch._foreach_sqrt(exp_avg_sqs)`` copies one parameter group's shard (groups run one after the other, and the
+decay group holds nearly every element; ``tests/test_optim.py`` pins both counts to the ops torch dispatches). Not
+measured on CUDA: foreach runs the same ops there, and the fused CUDA kernel also updates in place."""
 
 KNOWN_SHAPES: dict[str, Callable[[], Qwen3_5Config | Qwen3_5MoeConfig]] = {
     "Qwen/Qwen3.5-0.8B": qwen3_5_0_8b_config,
@@ -144,7 +151,7 @@ class MemoryPlan:
     optimizer_state: int
     """AdamW exp_avg + exp_avg_sq, fp32, of the trainable shard."""
     optimizer_temporaries: int
-    """The foreach AdamW step's own buffers: about two fp32 copies of the trainable shard."""
+    """The AdamW step's own buffers: none when fused, one fp32 copy of the trainable shard with foreach."""
     accumulated_grads: int
     """Unsharded fp32 gradients kept across micro-batches (``grad_sync = "step"``, ``micro_batches > 1``)."""
     gathered_weights: int
@@ -248,9 +255,11 @@ def plan(
     checkpoint_bytes: int | None = None,
     local_param_bytes: int | None = None,
     local_trainable: int | None = None,
+    optimizer_impl: str = "fused",
 ) -> MemoryPlan:
     """The plan of one rank (module docstring). ``local_param_bytes`` / ``local_trainable``: this rank's real shard
-    (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even ``1 / W`` split."""
+    (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even ``1 / W`` split.
+    ``optimizer_impl``: the run's ``train.optimizer_impl`` (its default here too)."""
     w = world_size if sharded else 1
     shard = counts.param_bytes // w if local_param_bytes is None else local_param_bytes
     trainable = counts.trainable // w if local_trainable is None else local_trainable
@@ -266,7 +275,7 @@ def plan(
         params=shard,
         grads=FP32 * trainable,
         optimizer_state=2 * FP32 * trainable,
-        optimizer_temporaries=2 * FP32 * trainable,
+        optimizer_temporaries=STEP_TEMPORARY_COPIES[optimizer_impl] * FP32 * trainable,
         accumulated_grads=FP32 * counts.trainable if accumulate else 0,
         gathered_weights=gathered,
         activations=activation_bytes(config, step, counts),
@@ -347,7 +356,7 @@ def plan_for_run(cfg: RunConfig, world_size: int, *, device_type: str = "cuda") 
     sharded = world_size > 1 or device_type == "cuda"
     return plan(
         counts, config, step, world_size=world_size, sharded=sharded, micro_batches=cfg.train.micro_batches,
-        grad_sync=cfg.train.grad_sync,
+        grad_sync=cfg.train.grad_sync, optimizer_impl=cfg.train.optimizer_impl,
     )  # fmt: skip
 
 
@@ -363,7 +372,7 @@ TABLE_SETTINGS = {
     "train.micro_batches": 1,
 }
 """The settings of the README's table: the shipped GPU configs' (bf16, activation checkpointing, 16k-token rows,
-frozen vision tower), one micro-batch per step."""
+frozen vision tower), one micro-batch per step; the default fused AdamW."""
 
 
 def table_rows(world_size: int = 8) -> list[dict]:
@@ -395,7 +404,7 @@ def format_table(rows: list[dict], world_size: int) -> str:
     head = f"{'model':<16} {'mode':<5} {'S (GB)':>7} " + " ".join(f"{h:>9}" for _, h in COLUMNS)
     lines = [
         f"Planned memory per rank at {world_size} GPUs, GB (estimates; vlm_sft/checks/memory_plan.py): bf16, "
-        "activation checkpointing, 16384-token rows, 1 micro-batch, frozen vision",
+        "activation checkpointing, 16384-token rows, 1 micro-batch, frozen vision, fused AdamW",
         head,
         "-" * len(head),
     ]

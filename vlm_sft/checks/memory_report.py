@@ -237,6 +237,7 @@ def report(
             micro_batches=cfg.train.micro_batches, grad_sync=cfg.train.grad_sync,
             checkpoint_elem_bytes=elem_bytes, checkpoint_bytes=size,
             local_param_bytes=values["local_param_bytes"], local_trainable=values["local_trainable"],
+            optimizer_impl=cfg.train.optimizer_impl,
         )  # fmt: skip
         cuda = [None if values[k] < 0 else values[k] for k in ("cuda_peak_allocated", "cuda_peak_reserved")]
         ranks.append(RankMemory(rank, values["peak_rss"], values["rss"], *cuda, p))

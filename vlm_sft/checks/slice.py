@@ -31,20 +31,21 @@ From ``slice_shape`` on the real configs, the vision towers frozen as the shippe
 vocabulary ids (16 samples of at most 1024 tokens; each id costs 2 rows of the hidden width, 196 KB at 9B):
 
 =======  ======  =================  ======  ================  ===========  ==============  ==================
-model    params  slice: text + ViT  share   float64 copy      check, 24 B  4 S / W, W = 8  training, 12 S / W
+model    params  slice: text + ViT  share   float64 copy      check, 24 B  4 S / W, W = 8  training, 8 S / W
 =======  ======  =================  ======  ================  ===========  ==============  ==================
-0.8B     0.85 B  49.5 M + 22.6 M    8.5 %   0.58 GB (6.8 GB)  1.5 GB       0.85 GB         2.6 GB
-9B       9.41 B  320 M + 59.8 M     4.0 %   3.0 GB (75 GB)    8.4 GB       9.4 GB          28 GB
-35B-A3B  35.1 B  259 M + 50.3 M     0.88 %  2.5 GB (281 GB)   6.8 GB       35.1 GB         105 GB
+0.8B     0.85 B  49.5 M + 22.6 M    8.5 %   0.58 GB (6.8 GB)  1.5 GB       0.85 GB         1.7 GB
+9B       9.41 B  320 M + 59.8 M     4.0 %   3.0 GB (75 GB)    8.4 GB       9.4 GB          19 GB
+35B-A3B  35.1 B  259 M + 50.3 M     0.88 %  2.5 GB (281 GB)   6.8 GB       35.1 GB         70 GB
 =======  ======  =================  ======  ================  ===========  ==============  ==================
 
 (S = the checkpoint's bytes in bf16, W = ranks; float64 copy: the slice's, in brackets the whole model's that the
 check made before.) The 35B-A3B slice: three GatedDeltaNet layers (16 key / 32 value heads of 128) and a
 full-attention layer (16 query / 2 kv heads of 256) at hidden 2048, each with 8 routed experts of width 512 (top-4)
 and the 512-wide shared expert, and one vision block of hidden 1152: 309 M parameters. At the check a rank holds its
-2 S / W of float32 weights; in training 12 S / W (weights, gradients, AdamW state and its step temporaries) plus
-activations. So the check stays well within 4 S / W for the 35B-A3B, at it for the 9B (8.4 GB and about 1 GB of
-activations), and over it for the 0.8B at 8 ranks, though not over that run's own peak (0.43 + 1.5 GB < 2.6 GB).
+2 S / W of float32 weights; in training 8 S / W (weights, gradients and AdamW state; the default fused AdamW step
+adds no temporaries, ``foreach`` one more copy of the weights: 10 S / W) plus activations. So the check stays well
+within 4 S / W for the 35B-A3B, at it for the 9B (8.4 GB and about 1 GB of activations), and over it for the 0.8B
+at 8 ranks, about at that run's own peak without its activations (0.43 + 1.5 GB vs 1.7 GB).
 """
 
 from __future__ import annotations

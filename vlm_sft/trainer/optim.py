@@ -1,4 +1,5 @@
-"""AdamW with decay only where it belongs, and a warmup + cosine, constant or warmup-stable-decay schedule."""
+"""AdamW (fused or foreach) with decay only where it belongs, and a warmup + cosine, constant or warmup-stable-decay
+schedule."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import math
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from vlm_sft.config import DEFAULT_WARMUP_STEPS, TrainConfig
+from vlm_sft.config import DEFAULT_WARMUP_STEPS, ConfigError, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +34,56 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
+IMPLEMENTATION_KEYS = ("fused", "foreach")
+"""AdamW group options that pick how the step runs (``train.optimizer_impl``), not what it computes."""
+
+
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
+    """AdamW over ``param_groups`` run the ``cfg.optimizer_impl`` way: ``fused`` (one in-place kernel per device, no
+    step temporaries) or ``foreach`` (multi-tensor ops; ``torch._foreach_sqrt`` of exp_avg_sq allocates one fp32
+    copy of a group's shard each step). Both work on FSDP2's DTensors and on the fp32 trainables of a bf16 LoRA model
+    (whose frozen base never reaches the optimizer); ``tests/test_optim.py`` holds them to the same update.
+
+    A fused optimizer is refused, with the fix, for trainable tensors torch has no fused kernel for (non-float, or
+    on a device outside its list), here at set-up rather than at the first step. The choice also survives a resume
+    (``keep_implementation``)."""
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.optimizer_impl == "fused":
+        check_fused_supported(groups)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **{cfg.optimizer_impl: True})
+    optimizer.register_load_state_dict_pre_hook(keep_implementation)
+    return optimizer
+
+
+def check_fused_supported(groups: list[dict]) -> None:
+    """Raise ``ConfigError`` naming the fix when torch's fused AdamW cannot take every trainable tensor (torch's
+    own check says so only as a RuntimeError without the setting to change)."""
+    devices = _get_fused_kernels_supported_devices()
+    params = (p for g in groups for p in g["params"])
+    bad = {f"{p.dtype} on {p.device.type}" for p in params if p.device.type not in devices or not p.is_floating_point()}
+    if bad:
+        raise ConfigError(
+            f"train.optimizer_impl = 'fused': torch {torch.__version__} has no fused AdamW for trainable tensors of "
+            f"{', '.join(sorted(bad))} (its fused devices: {', '.join(devices)}; floating-point dtypes only); set "
+            "train.optimizer_impl = 'foreach'"
+        )
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict | None:
+    """``load_state_dict`` pre-hook: the loaded groups take this optimizer's ``fused`` / ``foreach``.
+
+    torch's ``load_state_dict`` copies every option of the saved groups, and a checkpoint's groups carry the
+    implementation they were saved with, so without this a run resumed from a checkpoint of the other kind (or of a
+    version before ``train.optimizer_impl``, whose groups say neither, i.e. torch's default foreach) would run that
+    one, not the configured one, and the memory plan would describe another step. Rewritten before torch casts the
+    state, so the step counters land where this implementation keeps them (a fused step's on the parameter's
+    device)."""
+    saved = state_dict["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        return None  # torch refuses it next, with its own message
+    pairs = zip(optimizer.param_groups, saved, strict=True)
+    groups = [{**old, **{k: now[k] for k in IMPLEMENTATION_KEYS}} for now, old in pairs]
+    return {**state_dict, "param_groups": groups}
 
 
 def lr_factor(
