@@ -154,3 +154,24 @@ def test_sizes_that_do_not_fit_are_refused_with_the_fix(tmp_path):
         load_config("configs/debug_moe.toml", ["--train.ep_size", "2", "--train.cp_size", "2"])
     dense = Background(tiny_run_args(tmp_path, **{"train.ep_size": 2}), nproc=2).wait(300, check=False)
     assert dense.returncode != 0 and "needs a Qwen3.5-MoE model" in dense.stderr
+
+
+def test_the_plan_counts_each_ranks_experts_and_the_dispatch():
+    """The memory plan under expert parallelism (estimates, no model built): each rank holds 1/ep of the experts
+    whole (copies where ep is below the world size), FSDP2 gathers the layers without them, the dispatch adds its
+    buffers; a dense model is unchanged."""
+    from vlm_sft.checks.memory_plan import plan_for_run
+
+    def planned(name: str, world: int, ep: int):
+        cfg = load_config("configs/qwen3_5_35b_a3b.toml", ["--model.name_or_path", name, "--train.ep_size", str(ep)])
+        return plan_for_run(cfg, world)
+
+    moe = "Qwen/Qwen3.5-35B-A3B"
+    fsdp, ep8 = planned(moe, 8, 1), planned(moe, 8, 8)
+    assert ep8.params == pytest.approx(fsdp.params, rel=1e-3)  # ep = W: the same share, held by expert
+    assert ep8.gathered_weights < fsdp.gathered_weights / 2
+    assert ep8.expert_dispatch > 0 and fsdp.expert_dispatch == 0
+    copies, whole = planned(moe, 16, 8), planned(moe, 16, 16)
+    assert copies.params > 1.5 * whole.params  # two copies of every expert over 16 ranks
+    dense = "Qwen/Qwen3.5-27B"
+    assert planned(dense, 8, 8).to_dict() == planned(dense, 8, 1).to_dict()

@@ -20,7 +20,10 @@ the checkpoint on disk (2 for the released bf16 checkpoints), ``S`` the checkpoi
   gradient until the step's last micro-batch) + gathered weights ``c (n_root + 2 n_unit) + 4 n_unit_t`` (FSDP2 keeps
   the root unit, embeddings + LM head + final norm, gathered through forward and backward, gathers one decoder
   layer or the vision tower at a time with one prefetched, and holds that unit's unsharded fp32 gradient before its
-  reduce-scatter) + activations (``activation_bytes``, one micro-batch's graph).
+  reduce-scatter) + activations (``activation_bytes``, one micro-batch's graph). Under expert parallelism
+  (``train.ep_size = ep``) each rank holds ``1 / ep`` of the routed experts whole instead of ``1 / W`` (the
+  parameters, gradients and AdamW terms count them so), FSDP2 gathers the layers without them, and the dispatch
+  adds its buffers (``expert_parallel_bytes``, with a planned routing imbalance ``EP_IMBALANCE``).
 - **save** (the streamed export, on the writing rank) = parameters + AdamW state (gradients are freed after the
   step) + one gathered tensor ``n_max * (4 + k)`` (fp32, and its cast to the checkpoint dtype) + one output shard
   ``min(5 GB, S)`` (``save_pretrained``'s default bound of a safetensors file).
@@ -91,17 +94,31 @@ class ModelCounts:
     """Whether the LM head gets a gradient (the chunked loss then builds its fp32 gradient in forward)."""
     vision_trains: bool
     """Whether the vision tower trains (its activations are kept for backward)."""
+    experts: int = 0
+    """Elements of the routed experts of every MoE layer (0 for a dense model)."""
+    experts_trainable: int = 0
+    """Trainable elements among them."""
+    expert_bytes: int = 0
+    """Bytes of the routed experts as stored in training."""
+    largest_unit_without_experts: int = 0
+    """Elements of the largest FSDP2 unit without its routed experts (what FSDP2 gathers under expert parallelism)."""
+    largest_unit_without_experts_trainable: int = 0
+    """Trainable elements of that unit."""
 
     @classmethod
     def of_model(cls, model: nn.Module) -> ModelCounts:
         """Counts of a ``Qwen3_5VLM`` on any device, meta included; a sharded DTensor counts its global size."""
         params = list(model.parameters())  # tied parameters once
-        from vlm_sft.parallel.parallelize import fsdp_units
+        from vlm_sft.parallel.parallelize import fsdp_units, routed_experts
 
         units = fsdp_units(model)  # the decoder layers, then the vision tower
         unit_sizes = [(sum(p.numel() for p in u.parameters()), u) for u in units]
         n_unit, unit = max(unit_sizes, key=lambda x: x[0])
         in_units = sum(n for n, _ in unit_sizes)
+        experts = [p for m in routed_experts(model) for p in m.parameters()]
+        expert_ids = {id(p) for p in experts}
+        dense = [[p for p in u.parameters() if id(p) not in expert_ids] for u in units]
+        dense_unit = max(dense, key=lambda ps: sum(p.numel() for p in ps))
         added = {id(p) for n, p in model.named_parameters() if ".lora_" in n or ".modules_to_save." in n}
         return cls(
             total=sum(p.numel() for p in params if id(p) not in added),
@@ -113,6 +130,11 @@ class ModelCounts:
             largest_unit_trainable=sum(p.numel() for p in unit.parameters() if p.requires_grad),
             lm_head_trains=any(p.requires_grad for p in model.lm_head.parameters()),
             vision_trains=any(p.requires_grad for p in units[-1].parameters()),
+            experts=sum(p.numel() for p in experts),
+            experts_trainable=sum(p.numel() for p in experts if p.requires_grad),
+            expert_bytes=sum(p.numel() * p.element_size() for p in experts),
+            largest_unit_without_experts=sum(p.numel() for p in dense_unit),
+            largest_unit_without_experts_trainable=sum(p.numel() for p in dense_unit if p.requires_grad),
         )
 
 
@@ -158,6 +180,9 @@ class MemoryPlan:
     """FSDP2's gathered units in the compute dtype, and one unit's unsharded gradient."""
     activations: int
     """One micro-batch's saved activations and the chunked loss's buffers (``activation_bytes``)."""
+    expert_dispatch: int
+    """Expert parallelism: the slots a rank receives beyond its balanced share, and their copies on both sides of
+    the all-to-alls (``expert_parallel_bytes``); 0 without it."""
     save_gathered: int
     """The streamed export's one gathered tensor (fp32 and its cast)."""
     save_output_shard: int
@@ -171,7 +196,7 @@ class MemoryPlan:
     def training(self) -> int:
         return (
             self.params + self.grads + self.optimizer_state + self.optimizer_temporaries + self.accumulated_grads
-            + self.gathered_weights + self.activations
+            + self.gathered_weights + self.activations + self.expert_dispatch
         )  # fmt: skip
 
     @property
@@ -242,6 +267,31 @@ def activation_bytes(config: Qwen3_5Config | Qwen3_5MoeConfig, step: StepShape, 
     return layers + loss + vis
 
 
+EP_IMBALANCE = 2.0
+"""The planned routing imbalance under expert parallelism: a rank's experts receive this many times their balanced
+share of the slots (routers trained with a load-balancing loss stay well below it; ``--dry-run`` and the step
+metrics' tokens per expert show the real one)."""
+
+
+def expert_parallel_bytes(
+    config: Qwen3_5Config | Qwen3_5MoeConfig, step: StepShape, ep_size: int, imbalance: float = EP_IMBALANCE
+) -> int:
+    """Bytes expert parallelism adds to one rank's step (an **estimate**), for ``T`` tokens, ``k`` experts per token,
+    ``c`` bytes: every MoE layer kept for backward (one with activation checkpointing, the recomputed one; else all)
+    holds the received copy of its ``N = T k`` slots (``N D c``) and, when its experts get ``imbalance`` times their
+    share, the extra slots' expert activations ``(imbalance - 1) N (2 D + 4 I_e) c``; plus the dispatch's transient
+    send and receive buffers of one layer, ``2 imbalance N D c``. 0 without expert parallelism or experts."""
+    text = config.text_config
+    if ep_size <= 1 or not is_moe_text_config(text):
+        return 0
+    d, c = text.hidden_size, step.compute_bytes
+    slots = step.tokens * text.num_experts_per_tok
+    moe_layers = len(text.layer_types)  # every Qwen3.5-MoE layer has routed experts
+    kept = 1 if step.activation_checkpointing else moe_layers
+    per_layer = slots * d * c + (imbalance - 1) * slots * (2 * d + 4 * text.moe_intermediate_size) * c
+    return int(kept * per_layer + 2 * imbalance * slots * d * c)
+
+
 def plan(
     counts: ModelCounts,
     config: Qwen3_5Config | Qwen3_5MoeConfig,
@@ -256,17 +306,33 @@ def plan(
     local_param_bytes: int | None = None,
     local_trainable: int | None = None,
     optimizer_impl: str = "fused",
+    ep_size: int = 1,
 ) -> MemoryPlan:
     """The plan of one rank (module docstring). ``local_param_bytes`` / ``local_trainable``: this rank's real shard
-    (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even ``1 / W`` split.
+    (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even split, ``1 / W`` of
+    everything but expert parallelism's experts, ``1 / ep`` of those (``ep_size``: ``train.ep_size``).
     ``optimizer_impl``: the run's ``train.optimizer_impl`` (its default here too)."""
     w = world_size if sharded else 1
-    shard = counts.param_bytes // w if local_param_bytes is None else local_param_bytes
-    trainable = counts.trainable // w if local_trainable is None else local_trainable
+    ep = ep_size if counts.experts else 1
+    shard = (
+        (counts.param_bytes - counts.expert_bytes) // w + counts.expert_bytes // ep
+        if ep > 1
+        else counts.param_bytes // w
+    )
+    trainable = (
+        (counts.trainable - counts.experts_trainable) // w + counts.experts_trainable // ep
+        if ep > 1
+        else counts.trainable // w
+    )
+    shard = shard if local_param_bytes is None else local_param_bytes
+    trainable = trainable if local_trainable is None else local_trainable
     size = checkpoint_bytes if checkpoint_bytes is not None else counts.total * checkpoint_elem_bytes
     c = step.compute_bytes
     accumulate = sharded and micro_batches > 1 and grad_sync == "step"
-    gathered = c * (counts.root + 2 * counts.largest_unit) + FP32 * counts.largest_unit_trainable if sharded else 0
+    unit, unit_t = counts.largest_unit, counts.largest_unit_trainable
+    if ep > 1:  # FSDP2 gathers the layers without their experts, which each rank holds whole
+        unit, unit_t = counts.largest_unit_without_experts, counts.largest_unit_without_experts_trainable
+    gathered = c * (counts.root + 2 * unit) + FP32 * unit_t if sharded else 0
     return MemoryPlan(
         world_size=world_size,
         checkpoint_bytes=size,
@@ -276,9 +342,10 @@ def plan(
         grads=FP32 * trainable,
         optimizer_state=2 * FP32 * trainable,
         optimizer_temporaries=STEP_TEMPORARY_COPIES[optimizer_impl] * FP32 * trainable,
-        accumulated_grads=FP32 * counts.trainable if accumulate else 0,
+        accumulated_grads=FP32 * (counts.trainable - (counts.experts_trainable if ep > 1 else 0)) if accumulate else 0,
         gathered_weights=gathered,
         activations=activation_bytes(config, step, counts),
+        expert_dispatch=expert_parallel_bytes(config, step, ep),
         save_gathered=counts.largest * (FP32 + checkpoint_elem_bytes),
         save_output_shard=min(MAX_SHARD_BYTES, size),
     )
@@ -356,7 +423,7 @@ def plan_for_run(cfg: RunConfig, world_size: int, *, device_type: str = "cuda") 
     sharded = world_size > 1 or device_type == "cuda"
     return plan(
         counts, config, step, world_size=world_size, sharded=sharded, micro_batches=cfg.train.micro_batches,
-        grad_sync=cfg.train.grad_sync, optimizer_impl=cfg.train.optimizer_impl,
+        grad_sync=cfg.train.grad_sync, optimizer_impl=cfg.train.optimizer_impl, ep_size=cfg.train.ep_size,
     )  # fmt: skip
 
 

@@ -130,6 +130,7 @@ PLAN_ROWS = (
     ("optimizer_temporaries", "training: AdamW step temporaries"),
     ("accumulated_grads", "training: unsharded grads (micro-batches)"),
     ("gathered_weights", "training: FSDP2 gathered units"),
+    ("expert_dispatch", "training: expert-parallel dispatch buffers"),
     ("activations", "training: activations (one micro-batch)"),
     ("training", "training: total"),
     ("save", "at save: state + gathered tensor + out shard"),
@@ -237,7 +238,7 @@ def report(
             micro_batches=cfg.train.micro_batches, grad_sync=cfg.train.grad_sync,
             checkpoint_elem_bytes=elem_bytes, checkpoint_bytes=size,
             local_param_bytes=values["local_param_bytes"], local_trainable=values["local_trainable"],
-            optimizer_impl=cfg.train.optimizer_impl,
+            optimizer_impl=cfg.train.optimizer_impl, ep_size=cfg.train.ep_size,
         )  # fmt: skip
         cuda = [None if values[k] < 0 else values[k] for k in ("cuda_peak_allocated", "cuda_peak_reserved")]
         ranks.append(RankMemory(rank, values["peak_rss"], values["rss"], *cuda, p))
