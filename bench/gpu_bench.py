@@ -2,7 +2,7 @@
 
     bash bench/gpu.sh                      (the whole GPU check: kernel exactness, the trainer end to end, this)
     python bench/gpu_bench.py [--pack-len 8192] [--steps 8] [--modes bfd,stack] [--backends auto,torch] [--lora bfd]
-                              [--moe bfd] [--moe-layers 4] [--cp 2]
+                              [--moe bfd] [--moe-layers 4] [--cp 2] [--ep 8]
     python bench/gpu_bench.py --smoke      (a CPU dry run of the same code on shrunken shapes)
 
 The model is ``vlm_sft.flops.qwen3_5_0_8b_config()`` (the real 0.8B shape, random init, nothing downloaded): fp32
@@ -27,13 +27,8 @@ trainable (the routed experts 0.81B a layer), about 72 GB of fp32 weights, gradi
 fused AdamW); their TFLOP/s and MFU count the active experts only (``vlm_sft.flops``: router, top-k routed experts,
 shared expert and its gate, never all 256). The load-balancing loss is not in these steps (its FLOPs are elementwise).
 
-Context parallelism (``--cp N``, default 1: none; only when asked, so ``bash bench/gpu.sh`` is unchanged): with N or
-more CUDA GPUs, the 0.8B model (full fine-tuning, first backend) on the ``bfd`` packs at cp 1 (one GPU) and at cp N
-(N GPUs over NCCL, one packed row split over them: ``vlm_sft.parallel.context_parallel``), each a
-``torch.distributed.run`` of this script; the cp N ranks sum their gradients over the group before clipping (in the
-backward time). Per rank: real tokens/s of the group (the row's tokens over the step time) and per GPU, step time,
-peak memory, MFU over the N GPUs. With fewer GPUs it prints that it skipped and records why; ``--smoke --cp 2`` runs
-the same launch on the CPU over gloo. The pack length must divide by N.
+Context parallelism (``--cp N``) and expert parallelism (``--ep N``), each only when asked and on N GPUs, run in
+``bench/gpu_bench_ranks.py`` (launched from here as a process of its own; its docstring says what they measure).
 
 Per mode: ``--warmup`` untimed steps (kernel compilation and autotuning), then ``--steps`` timed steps, each
 synchronized; the vision tower is timed by forward hooks (synchronized). Tokens/s counts real (non-padding) tokens;
@@ -72,13 +67,17 @@ from vlm_sft.model import build_model
 from vlm_sft.model.moe import is_moe_text_config
 from vlm_sft.model.presets import qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
 from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
-from vlm_sft.parallel.parallelize import apply_context_parallel
+from vlm_sft.parallel.fsdp import clip_grad_norm_
+from vlm_sft.parallel.mesh import ParallelMesh
+from vlm_sft.parallel.parallelize import apply_context_parallel, finish_gradients, parallelize
 from vlm_sft.trainer.metrics import ModuleTimer
 
 RESULTS = harness.results_path("gpu_bench")
 DEFAULTS = {"pack_len": 8192, "samples": 600, "warmup": 3, "steps": 8}
 SMOKE_DEFAULTS = {"pack_len": 1024, "samples": 24, "warmup": 1, "steps": 2}
 """Sizes of a GPU run and of ``--smoke`` (CPU), each used where the command line leaves it unset."""
+RANKS_SCRIPT = Path(__file__).with_name("gpu_bench_ranks.py")
+"""The ``--cp`` / ``--ep`` cases (several ranks)."""
 MOE_LAYERS = 4
 """Decoder layers of the MoE rows' 35B-A3B-wide model: one 3:1 period, 4.83B parameters (module docstring)."""
 
@@ -119,12 +118,22 @@ def shrink(config):
 
 class Bench:
     def __init__(
-        self, config, device: torch.device, backend: str, *, lora: bool = False, cp: ContextParallel = NO_CP
+        self,
+        config,
+        device: torch.device,
+        backend: str,
+        *,
+        lora: bool = False,
+        cp: ContextParallel = NO_CP,
+        mesh: ParallelMesh | None = None,
     ) -> None:
         torch.manual_seed(0)
         impl = {"attn_impl": "sdpa", "linear_attn_impl": "torch", "loss_impl": "chunked"} if backend == "torch" else {}
         with torch.device(device):  # built and initialised on the device: no host copy of a 4.8B-parameter MoE model
             self.model = build_model(config, device=device, dtype=torch.float32, freeze_vision=True, **impl)
+        self.mesh = mesh  # the ep case: FSDP2 (and expert parallelism) as the trainer applies them
+        if mesh is not None:
+            parallelize(self.model, mesh, param_dtype=torch.bfloat16 if device.type == "cuda" else None)
         self.tuning = "lora" if lora else "full"
         self.total_params = sum(p.numel() for p in self.model.parameters())
         self.adapter_flops_per_token = attach_lora_adapters(self.model, device) if lora else 0.0
@@ -166,9 +175,11 @@ class Bench:
             for p in self.model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.cp.group)
+        if self.mesh is not None:  # expert parallelism's expert gradients (FSDP2 reduced the rest)
+            finish_gradients(self.model)
         self._sync()
         t2 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.grad is not None], 1.0)
+        clip_grad_norm_(self.model.parameters(), 1.0)  # per mesh (the experts' and FSDP2's), as the trainer clips
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._sync()
@@ -248,7 +259,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--cp", type=int, default=1, help="also run the 0.8B bfd row at cp 1 and cp N on N GPUs (default 1: no)"
     )
-    ap.add_argument("--cp-worker", help=argparse.SUPPRESS)  # a rank of the cp case: the folder its row goes to
+    ap.add_argument("--cp-worker", help=argparse.SUPPRESS)  # gpu_bench_ranks.py: a cp rank's row folder
+    ap.add_argument(
+        "--ep", type=int, default=1, help="also run the MoE bfd row at ep 1 and ep N on N GPUs (default 1: no)"
+    )
+    ap.add_argument("--ep-worker", help=argparse.SUPPRESS)  # gpu_bench_ranks.py: an ep rank's row folder
+    ap.add_argument("--rank-case", choices=("cp", "ep"), help=argparse.SUPPRESS)  # gpu_bench_ranks.py: the case
+    ap.add_argument("--rank-case-out", type=Path, help=argparse.SUPPRESS)  # gpu_bench_ranks.py: its JSON
     ap.add_argument("--smoke", action="store_true", help="CPU dry run on a shrunken shape (checks the script only)")
     ap.add_argument("--out", type=Path, help=f"JSON path (default {RESULTS}; --smoke writes none unless given)")
     args = ap.parse_args()
@@ -296,8 +313,10 @@ def model_configs(args: argparse.Namespace) -> dict[str, object]:
 
 def main() -> None:
     args = parse_args()
-    if args.cp_worker:
-        cp_worker(args)
+    if args.ep > 1 and not args.smoke and torch.cuda.device_count() == 0:
+        print(
+            f"ep case skipped: --ep {args.ep} needs {args.ep} CUDA GPUs; none is visible (--smoke runs it on the CPU)"
+        )
         return
     if args.smoke:
         device = torch.device("cpu")
@@ -338,15 +357,17 @@ def main() -> None:
     precision = "bf16 autocast" if device.type == "cuda" else "float32"
     print(f"\n{shape}, random init, {precision}, frozen vision, {args.pack_len}-token packs; {name}; {peak_text}")
     print(format_rows(payload["rows"]))
-    cp_ok = True
-    if args.cp > 1:
-        payload["cp"] = run_cp_case(args)
-        write_json(targets, payload, quiet=True)
-        cp_ok = "error" not in payload["cp"]
+    for flag in ("cp", "ep"):
+        if getattr(args, flag) > 1:
+            payload[flag] = run_rank_case(flag, sys.argv[1:])
+            write_json(targets, payload, quiet=True)
     payload["complete"] = True
     write_json(targets, payload)
-    if not cp_ok:
-        raise SystemExit(f"the cp {args.cp} case failed (the other rows are written): {payload['cp']['error'][-2000:]}")
+    failed = [f for f in ("cp", "ep") if "error" in payload.get(f, {})]
+    if failed:
+        raise SystemExit(
+            f"the {failed} case failed (the other rows are written): {payload[failed[0]]['error'][-2000:]}"
+        )
 
 
 def run_row(bench: Bench, batches: list[PackedBatch], args: argparse.Namespace, peak: float | None) -> dict:
@@ -393,78 +414,19 @@ def write_json(targets: list[Path], payload: dict, *, quiet: bool = False) -> No
         harness.write_results("gpu_bench", payload, path=target, quiet=quiet)
 
 
-# ------------------------------------------------------------------------------------------------ context parallelism
+# ------------------------------------------------------------------------------------------------ several ranks
 
 
-def run_cp_case(args: argparse.Namespace) -> dict:
-    """The cp case (module docstring): cp 1, then cp ``args.cp``, each a ``torch.distributed.run`` of this script.
-    Returns the ranks' rows, or why it was skipped, or the failing launch's error (with the rows done before it)."""
-    gpus = torch.cuda.device_count()
-    if not args.smoke and gpus < args.cp:
-        reason = f"--cp {args.cp} needs {args.cp} CUDA GPUs; this machine has {gpus}"
-        print(f"cp case skipped: {reason}", flush=True)
-        return {"skipped": reason}
-    forwarded = ["--pack-len", str(args.pack_len), "--samples", str(args.samples), "--warmup", str(args.warmup)]
-    forwarded += ["--steps", str(args.steps), "--stack-rows", str(args.stack_rows)]
-    forwarded += ["--backends", args.backends.split(",")[0], "--modes", "bfd", "--lora", "none", "--moe", "none"]
-    forwarded += ["--smoke"] if args.smoke else []
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OUT")}
-    rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="gpu_bench_cp_") as out:
-        for size in (1, args.cp):
-            start = time.perf_counter()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", __file__]
-            done = subprocess.run([*cmd, "--cp-worker", out, *forwarded], capture_output=True, text=True, env=env)
-            if done.returncode:
-                print(f"cp {size} failed (exit {done.returncode}):\n{done.stderr[-4000:]}", flush=True)
-                return {"rows": rows, "error": f"cp {size}, exit {done.returncode}: {done.stderr[-6000:]}"}
-            ranks = [json.loads(Path(out, f"cp{size}_rank{r}.json").read_text()) for r in range(size)]
-            rows += ranks
-            wall = time.perf_counter() - start
-            print(
-                f"  cp {size}: {ranks[0]['real_tok_s']:.0f} real tok/s over {size} device(s) ({wall:.0f} s)", flush=True
-            )
-    print(f"\nContext parallelism, 0.8B bfd rows of {args.pack_len} tokens, one row split over the cp ranks")
-    print(format_cp_rows(rows))
-    return {"rows": rows}
-
-
-def cp_worker(args: argparse.Namespace) -> None:
-    """One rank of the cp case: the 0.8B model, context-parallel over the launch's world (NCCL on CUDA, gloo for
-    ``--smoke``), on the ``bfd`` packs; writes its row to ``<--cp-worker>/cp<N>_rank<R>.json``."""
-    cuda = not args.smoke
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    config = model_configs(args)["full"]
-    source = SyntheticSource(args.samples, distribution="long_tail", seed=0)
-    samples = [source(i) for i in range(args.samples)]
-    pad_id = int(config.text_config.pad_token_id)
-    batches = make_batches(samples, "bfd", pack_len=args.pack_len, stack_rows=args.stack_rows, pad_id=pad_id)
-    cp = ContextParallel(dist.group.WORLD, rank, size) if size > 1 else NO_CP
-    bench = Bench(config, device, args.backends, cp=cp)
-    row = run_row(bench, batches, args, peak_flops(device, torch.bfloat16))
-    if row["mfu"] is not None:
-        row["mfu"] /= size  # the row's useful FLOPs over the group's devices
-    row |= {
-        "backend": args.backends,
-        "mode": "bfd",
-        "cp": size,
-        "rank": rank,
-        "real_tok_s_per_gpu": row["real_tok_s"] / size,
-    }
-    Path(args.cp_worker, f"cp{size}_rank{rank}.json").write_text(json.dumps(row))
-    dist.destroy_process_group()
-
-
-def format_cp_rows(rows: list[dict]) -> str:
-    """The cp case's table: one line per (cp, rank); tokens/s of the group (the whole row) and per GPU."""
-    columns = [("cp", "cp"), ("rank", "rank"), ("kernels", "kernels"), ("rows_x_len", "rows x len")]
-    columns += [("real_tok_s", "real tok/s", ".0f"), ("real_tok_s_per_gpu", "tok/s/GPU", ".0f")]
-    columns += [("step_ms", "step ms", ".1f"), ("split", "vis/txt/bwd/opt ms"), ("mfu_text", "MFU")]
-    return harness.format_table(None, [*columns, ("mem_text", "mem GiB")], [r | _shown(r) for r in rows])
+def run_rank_case(flag: str, argv: list[str]) -> dict:
+    """The ``--cp`` / ``--ep`` case, run by ``gpu_bench_ranks.py`` in a process of its own (its table printed as it
+    goes); its result, or the failure's error."""
+    with tempfile.TemporaryDirectory(prefix=f"gpu_bench_{flag}_") as out:
+        result = Path(out, "case.json")
+        cmd = [sys.executable, str(RANKS_SCRIPT), *argv, "--rank-case", flag, "--rank-case-out", str(result)]
+        done = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+        if done.returncode or not result.is_file():
+            return {"error": f"{flag} case, exit {done.returncode}: {done.stderr[-6000:]}"}
+        return json.loads(result.read_text())
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every CPU benchmark, one after the other; each prints its table and writes bench/results/*.json, then
 # bench/summarize.py collects the headline figures that bench/README.md's tables cite into bench/results/summary.json.
-# About 100 minutes on 2 cores (ours vs transformers at 2 and 1 threads ~20, the default run x 3 seeds x 2
+# About 105 minutes on 2 cores (ours vs transformers at 2 and 1 threads ~20, the default run x 3 seeds x 2
 # launchers ~14, big-checkpoint load / save / resume ~12, the packing self-check calibration ~8, the data workers ~6,
-# LoRA vs full ~5, context parallelism ~4); bench_loss_memory.py alone needs ~12 GB of memory and ~10 minutes (skip
-# it with SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine (its
+# LoRA vs full ~5, context and expert parallelism ~4 each); bench_loss_memory.py alone needs ~12 GB of memory and ~10
+# minutes (skip it with SKIP_LOSS_MEMORY=1). The GPU check is separate: bash bench/gpu.sh on a CUDA machine (its
 # gpu_check/gpu_check.json is summarized too when present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +23,7 @@ fi
 "$PY" bench/bench_lora.py
 "$PY" bench/bench_moe.py
 "$PY" bench/bench_cp.py
+"$PY" bench/bench_ep.py
 "$PY" bench/bench_load.py
 "$PY" bench/calibrate_packing_check.py
 PYTHON="$PY" bash bench/default_run_seeds.sh

@@ -145,6 +145,16 @@ def _cp(d: dict) -> dict:
     return out
 
 
+@figures("bench_ep", "bench_ep.json", "analytic[].fsdp_over_ep, counted[].counted_over_formula, ratios.<case>")
+def _ep(d: dict) -> dict:
+    out = {f"35B-A3B {a['layer']} T {a['tokens']} FSDP2 / EP bytes": a["fsdp_over_ep"] for a in d["analytic"]}
+    out |= {f"35B-A3B {a['layer']} T {a['tokens']} no AC": a["fsdp_over_ep_no_ac"] for a in d["analytic"]}
+    out["35B-A3B break-even tokens per rank"] = d["analytic"][0]["break_even_tokens"]
+    out |= {f"counted / formula ep{c['ep']} {c['collective']}": c["counted_over_formula"] for c in d["counted"]}
+    out |= {f"{case} ep2/ep1 step_time": r["step_time_s"]["median"] for case, r in d["ratios"].items()}
+    return out
+
+
 @figures("load", "load.json", "rows[].{load,train,save,resume}.peak_over_s (worst rank)")
 def _load(d: dict) -> dict:
     out = {}
