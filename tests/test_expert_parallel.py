@@ -4,7 +4,8 @@
   a rank whose experts receive none, every slot to one expert (``ep_worker.py``: outputs, input and routing-weight
   gradients, and each expert's gradient).
 - The trainer: ep 2 on 2 processes == 1 process with 2 micro-batches (losses, router statistics, gradient norms and
-  the final weights), with activation checkpointing on; an ep 2 checkpoint resumed on 1 process continues with the
+  the final weights), with activation checkpointing on; ep 2 with 2 micro-batches and ep 2 x dp 2 on 4 processes ==
+  1 process with 4; an ep 2 checkpoint resumed on 1 process continues with the
   uninterrupted losses; a checkpoint loaded with ep 2 and exported after a step at lr 0 is the input bit for bit; a
   dense model, or sizes that do not divide, are refused with the fix.
 """
@@ -126,6 +127,34 @@ def test_ep2_equals_one_process(ep_runs):
     assert experts  # the export writes per-expert keys, whatever the layout was
     for key in weights[0]:  # fp32 sums in another order, through 3 AdamW steps of lr 1e-3: a few 1e-7 apart
         torch.testing.assert_close(weights[1][key], weights[0][key], rtol=1e-5, atol=3e-6, msg=key)
+
+
+@pytest.fixture(scope="module")
+def wide_runs(tmp_path_factory) -> dict[str, Path]:
+    """A global batch of 4 packs three ways: 1 process with 4 micro-batches; ep 2 on 2 processes with 2 micro-batches
+    each (gradients accumulated before the expert reduction); ep 2 x dp 2 on 4 processes (two copies of the experts,
+    reduced over ``edp``)."""
+    root = tmp_path_factory.mktemp("ep_wide")
+    steps = {"train.max_steps": 2, "train.save_every": "none"}
+    layouts = {
+        "1x4": (1, {"train.micro_batches": 4}),
+        "ep2_mb2": (2, {"train.ep_size": 2, "train.micro_batches": 2}),
+        "ep2_dp2": (4, {"train.ep_size": 2}),
+    }
+    runs = [
+        Background(tiny_run_args(root / n, **(COMMON | steps | extra)), nproc=p) for n, (p, extra) in layouts.items()
+    ]
+    for run in runs:
+        run.wait(420)
+    return {name: root / name / "run" for name in layouts}
+
+
+@pytest.mark.parametrize("layout", ["ep2_mb2", "ep2_dp2"])
+def test_ep2_with_micro_batches_or_copies_equals_one_process(wide_runs, layout):
+    one, ep = _losses(wide_runs["1x4"]), _losses(wide_runs[layout])
+    assert [r[0] for r in one] == [r[0] for r in ep] == [1, 2]
+    for a, b in zip(one, ep, strict=True):
+        assert b[1:] == pytest.approx(a[1:], rel=1e-5), (layout, a, b)
 
 
 def test_an_ep2_checkpoint_resumes_on_one_process(ep_runs):
