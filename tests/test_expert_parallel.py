@@ -182,7 +182,7 @@ def test_sizes_that_do_not_fit_are_refused_with_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="not combined yet"):
         load_config("configs/debug_moe.toml", ["--train.ep_size", "2", "--train.cp_size", "2"])
     dense = Background(tiny_run_args(tmp_path, **{"train.ep_size": 2}), nproc=2).wait(300, check=False)
-    assert dense.returncode != 0 and "needs a Qwen3.5-MoE model" in dense.stderr
+    assert dense.returncode != 0 and "config error: train.ep_size = 2 needs a Qwen3.5-MoE model" in dense.stderr
 
 
 def test_the_plan_counts_each_ranks_experts_and_the_dispatch():

@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from vlm_sft.config import ConfigError
 from vlm_sft.model.moe import Experts, grouped_experts_mlp, sort_by_expert, sorted_experts_mlp
 
 
@@ -79,7 +80,7 @@ def shard_experts(module: Experts, ep: ExpertParallel) -> list[nn.Parameter]:
         full = getattr(module, name)
         experts = full.shape[0]
         if experts % ep.size:
-            raise ValueError(
+            raise ConfigError(
                 f"num_experts = {experts} does not split over train.ep_size = {ep.size}: choose an ep_size that "
                 "divides it"
             )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from vlm_sft.config import ConfigError
 from vlm_sft.model.sequence_split import SequenceSplit, check_heads
 from vlm_sft.parallel.context_parallel import NO_CP, wrap_token_mixers
 from vlm_sft.parallel.env import DistEnv
@@ -101,8 +102,9 @@ def parallelize(
     if mesh.ep is not None:
         experts = routed_experts(model)
         if not experts:
-            raise ValueError(
-                f"train.ep_size = {mesh.ep.size} needs a Qwen3.5-MoE model; this one has no routed experts"
+            raise ConfigError(
+                f"train.ep_size = {mesh.ep.size} needs a Qwen3.5-MoE model; this one has no routed experts: set "
+                "train.ep_size = 1"
             )
         for module in experts:
             ignored.update(shard_experts(module, mesh.ep))
