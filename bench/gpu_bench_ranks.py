@@ -49,25 +49,42 @@ from vlm_sft.parallel.env import cleanup, init_distributed
 from vlm_sft.parallel.mesh import build_mesh
 
 
+def _missing_gpus(flag: str, size: int, smoke: bool) -> dict | None:
+    """``{"skipped": why}`` (printed) when the case needs more CUDA GPUs than are visible; None to go on."""
+    gpus = torch.cuda.device_count()
+    if smoke or gpus >= size:
+        return None
+    reason = f"--{flag} {size} needs {size} CUDA GPUs; this machine has {gpus}"
+    print(f"{flag} case skipped: {reason}", flush=True)
+    return {"skipped": reason}
+
+
+def _worker_args(args: argparse.Namespace, *extra: str) -> list[str]:
+    """The options every rank of a case gets: the run's sizes, its first backend, ``bfd`` packs, no LoRA row."""
+    forwarded = ["--pack-len", str(args.pack_len), "--samples", str(args.samples), "--warmup", str(args.warmup)]
+    forwarded += ["--steps", str(args.steps), "--backends", args.backends.split(",")[0], "--modes", "bfd"]
+    return [*forwarded, "--lora", "none", *extra, *(["--smoke"] if args.smoke else [])]
+
+
+def _launch(nproc: int, worker_args: list[str]) -> subprocess.CompletedProcess:
+    """One ``torch.distributed.run`` of this script's workers on ``nproc`` ranks (a launcher's variables removed)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OUT")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__]
+    return subprocess.run([*cmd, *worker_args], capture_output=True, text=True, env=env)
+
+
 def run_cp_case(args: argparse.Namespace) -> dict:
     """The cp case (module docstring): cp 1, then cp ``args.cp``, each a ``torch.distributed.run`` of this script.
     Returns the ranks' rows, or why it was skipped, or the failing launch's error (with the rows done before it)."""
-    gpus = torch.cuda.device_count()
-    if not args.smoke and gpus < args.cp:
-        reason = f"--cp {args.cp} needs {args.cp} CUDA GPUs; this machine has {gpus}"
-        print(f"cp case skipped: {reason}", flush=True)
-        return {"skipped": reason}
-    forwarded = ["--pack-len", str(args.pack_len), "--samples", str(args.samples), "--warmup", str(args.warmup)]
-    forwarded += ["--steps", str(args.steps), "--stack-rows", str(args.stack_rows)]
-    forwarded += ["--backends", args.backends.split(",")[0], "--modes", "bfd", "--lora", "none", "--moe", "none"]
-    forwarded += ["--smoke"] if args.smoke else []
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OUT")}
+    skipped = _missing_gpus("cp", args.cp, args.smoke)
+    if skipped:
+        return skipped
+    forwarded = _worker_args(args, "--stack-rows", str(args.stack_rows), "--moe", "none")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="gpu_bench_cp_") as out:
         for size in (1, args.cp):
             start = time.perf_counter()
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={size}", __file__]
-            done = subprocess.run([*cmd, "--cp-worker", out, *forwarded], capture_output=True, text=True, env=env)
+            done = _launch(size, ["--cp-worker", out, *forwarded])
             if done.returncode:
                 print(f"cp {size} failed (exit {done.returncode}):\n{done.stderr[-4000:]}", flush=True)
                 return {"rows": rows, "error": f"cp {size}, exit {done.returncode}: {done.stderr[-6000:]}"}
@@ -127,23 +144,14 @@ def format_cp_rows(rows: list[dict], first: tuple[str, str] = ("cp", "cp")) -> s
 def run_ep_case(args: argparse.Namespace) -> dict:
     """The ep case (module docstring): ep 1 and ep ``args.ep`` on ``args.ep`` ranks, each a ``torch.distributed.run``
     of this script. Returns the ranks' rows and the ratio, or why it was skipped, or the failing launch's error."""
-    gpus = torch.cuda.device_count()
-    if not args.smoke and gpus < args.ep:
-        reason = f"--ep {args.ep} needs {args.ep} CUDA GPUs; this machine has {gpus}"
-        print(f"ep case skipped: {reason}", flush=True)
-        return {"skipped": reason}
-    forwarded = ["--pack-len", str(args.pack_len), "--samples", str(args.samples), "--warmup", str(args.warmup)]
-    forwarded += ["--steps", str(args.steps), "--moe-layers", str(args.moe_layers), "--modes", "bfd"]
-    forwarded += ["--backends", args.backends.split(",")[0], "--lora", "none", "--moe", "bfd"]
-    forwarded += ["--smoke"] if args.smoke else []
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "OUT")}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ep}", __file__]
+    skipped = _missing_gpus("ep", args.ep, args.smoke)
+    if skipped:
+        return skipped
+    forwarded = _worker_args(args, "--moe-layers", str(args.moe_layers), "--moe", "bfd")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="gpu_bench_ep_") as out:
         for ep in (1, args.ep):
-            done = subprocess.run(
-                [*cmd, "--ep-worker", out, "--ep", str(ep), *forwarded], capture_output=True, text=True, env=env
-            )
+            done = _launch(args.ep, ["--ep-worker", out, "--ep", str(ep), *forwarded])
             if done.returncode:
                 print(f"ep {ep} failed (exit {done.returncode}):\n{done.stderr[-4000:]}", flush=True)
                 return {"rows": rows, "error": f"ep {ep}, exit {done.returncode}: {done.stderr[-6000:]}"}

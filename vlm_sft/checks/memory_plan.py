@@ -197,6 +197,12 @@ class MemoryPlan:
 # ------------------------------------------------------------------------------------------------ the plan
 
 
+def _even_share(total: int, experts: int, w: int, ep: int) -> int:
+    """One rank's share of ``total`` when split evenly: ``1 / W`` of it; under expert parallelism (``ep > 1``)
+    ``1 / ep`` of its ``experts`` part, which each rank holds whole."""
+    return (total - experts) // w + experts // ep if ep > 1 else total // w
+
+
 def plan(
     counts: ModelCounts,
     config: Qwen3_5Config | Qwen3_5MoeConfig,
@@ -219,18 +225,11 @@ def plan(
     ``optimizer_impl``: the run's ``train.optimizer_impl`` (its default here too)."""
     w = world_size if sharded else 1
     ep = ep_size if counts.experts else 1
-    shard = (
-        (counts.param_bytes - counts.expert_bytes) // w + counts.expert_bytes // ep
-        if ep > 1
-        else counts.param_bytes // w
-    )
-    trainable = (
-        (counts.trainable - counts.experts_trainable) // w + counts.experts_trainable // ep
-        if ep > 1
-        else counts.trainable // w
-    )
-    shard = shard if local_param_bytes is None else local_param_bytes
-    trainable = trainable if local_trainable is None else local_trainable
+    if local_param_bytes is None:
+        local_param_bytes = _even_share(counts.param_bytes, counts.expert_bytes, w, ep)
+    if local_trainable is None:
+        local_trainable = _even_share(counts.trainable, counts.experts_trainable, w, ep)
+    shard, trainable = local_param_bytes, local_trainable
     size = checkpoint_bytes if checkpoint_bytes is not None else counts.total * checkpoint_elem_bytes
     c = step.compute_bytes
     accumulate = sharded and micro_batches > 1 and grad_sync == "step"

@@ -117,6 +117,17 @@ def sort_by_expert(experts_TK: torch.Tensor, num_experts: int) -> tuple[torch.Te
     return order_N, torch.searchsorted(sorted_expert_N, expert_ids_E, right=True, out_int32=True)
 
 
+def weighted_token_sum(y_ND: torch.Tensor, order_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """``[T, D]``: the sorted slots' expert outputs ``y_ND`` (slot n is flat slot ``order_N[n]``, ``sort_by_expert``)
+    scaled by their routing weights, put back in ``(t, k)`` order by a gather and summed over k; deterministic (no
+    atomic ``index_add``). The last step of every expert path, expert parallelism's included."""
+    num_tokens, top_k = weights_TK.shape
+    y_ND = y_ND * weights_TK.reshape(-1)[order_N, None]
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return y_ND[inverse_N].view(num_tokens, top_k, y_ND.shape[-1]).sum(dim=1)
+
+
 def sorted_experts_mlp(
     x_TD: torch.Tensor,
     gate_up_EFD: torch.Tensor,
@@ -153,11 +164,7 @@ def sorted_experts_mlp(
             continue
         gate_nI, up_nI = F.linear(x_nD, gate_up_FD[expert]).chunk(2, dim=-1)
         outputs.append(F.linear(F.silu(gate_nI) * up_nI, down_DI[expert]))
-    y_ND = torch.cat(outputs) * weights_TK.reshape(-1)[order_N, None]
-
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return y_ND[inverse_N].view(num_tokens, top_k, hidden).sum(dim=1)
+    return weighted_token_sum(torch.cat(outputs), order_N, weights_TK)
 
 
 def grouped_experts_mlp(
@@ -186,11 +193,7 @@ def grouped_experts_mlp(
 
     gate_NI, up_NI = _grouped_linear(x_ND, gate_up_EFD.to(dtype), offsets_E).chunk(2, dim=-1)
     y_ND = _grouped_linear(F.silu(gate_NI) * up_NI, down_EDI.to(dtype), offsets_E)
-    y_ND = y_ND * weights_TK.reshape(-1)[order_N, None]
-
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return y_ND[inverse_N].view(num_tokens, top_k, hidden).sum(dim=1)
+    return weighted_token_sum(y_ND, order_N, weights_TK)
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from vlm_sft.config import ConfigError
-from vlm_sft.model.moe import Experts, grouped_experts_mlp, sort_by_expert, sorted_experts_mlp
+from vlm_sft.model.moe import Experts, grouped_experts_mlp, sort_by_expert, sorted_experts_mlp, weighted_token_sum
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def _ep_forward(
     impl: str = "sorted",
 ) -> torch.Tensor:
     """``Experts.forward`` under expert parallelism (module docstring): the routed experts' weighted sum ``[T, D]``."""
-    num_tokens, top_k = experts_TK.shape
+    top_k = experts_TK.shape[1]
     gate_up_LFD, down_LDI = module.gate_up_proj.to_local(), module.down_proj.to_local()
     local = gate_up_LFD.shape[0]
     order_N, offsets_E = sort_by_expert(experts_TK, local * ep.size)
@@ -125,10 +125,7 @@ def _ep_forward(
     local_R = fc.wait_tensor(fc.all_to_all_single(local_N, recv, send, ep.group))
     y_RD = _local_experts(x_RD, gate_up_LFD.to(x_RD.dtype), down_LDI.to(x_RD.dtype), local_R, impl)
     y_ND = fc.wait_tensor(fc.all_to_all_single_autograd(y_RD, send, recv, ep.group))
-    y_ND = y_ND * weights_TK.reshape(-1)[order_N, None]
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return y_ND[inverse_N].view(num_tokens, top_k, -1).sum(dim=1)
+    return weighted_token_sum(y_ND, order_N, weights_TK)
 
 
 def _exchange_counts(ends_P: torch.Tensor, ep: ExpertParallel) -> tuple[list[int], list[int]]:
