@@ -40,8 +40,10 @@ from vlm_sft.config_sections import (
     ModelConfig,
     RunConfig,
     ShapesConfig,
+    SourceConfig,
     TrainConfig,
     VLMConfig,
+    source_name,
 )
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "ModelConfig",
     "RunConfig",
     "ShapesConfig",
+    "SourceConfig",
     "TrainConfig",
     "VLMConfig",
     "cli_parser",
@@ -71,6 +74,7 @@ __all__ = [
     "load_config",
     "parse_cli",
     "parse_overrides",
+    "source_name",
     "split_config_arg",
 ]
 
@@ -232,7 +236,12 @@ def config_help() -> str:
 def _describe_fields(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
     for name, field in model.model_fields.items():
         sub = _section_model(field.annotation)
-        default = f"[{prefix}{name}] section" if isinstance(field.default, BaseModel) else _toml_text(field.default)
+        if field.is_required():
+            default = "(required)"
+        elif isinstance(field.default, BaseModel):
+            default = f"[{prefix}{name}] section"
+        else:
+            default = _toml_text(field.default)
         lines.append(f"  {prefix}{name}: {_type_name(field.annotation)} = {default}")
         doc = " ".join((field.description or "").replace("``", "").split())
         lines += textwrap.wrap(doc, width=116, initial_indent=" " * 6, subsequent_indent=" " * 6)

@@ -151,6 +151,58 @@ class ShapesConfig(_Section):
     """Folder under which the dataset is materialized (a subfolder per seed and size)."""
 
 
+class SourceConfig(_Section):
+    """One source of a mixture (``[[data.sources]]``, or ``[[data.eval_sources]]`` for held-out data)."""
+
+    source: str = Field(min_length=1)
+    """``shapes``, a local jsonl / json / parquet file or folder of shards, or a hub dataset id (as ``data.source``)."""
+    name: str | None = Field(None, min_length=1)
+    """Name in logs, ``metrics.jsonl`` (``samples/<name>``, ``eval_loss/<name>``) and the accounting; None: the
+    file's (or folder's) stem, or the last part of a hub id."""
+    weight: float = 1.0
+    """Relative share of the training *samples* drawn from this source (weights 6, 3, 1 draw 60 / 30 / 10 percent).
+    To leave a source out, remove its table. Ignored for ``eval_sources``."""
+    split: str | None = None
+    """Split of a hub dataset; None: ``data.split``."""
+    image_root: str | None = None
+    """As ``data.image_root``, for this source (None: ``data.image_root``, whose default is the file's folder)."""
+    allowed_image_roots: list[str] = []
+    """As ``data.allowed_image_roots``, added to those of ``[data]`` for this source."""
+    streaming: bool | None = None
+    """Read this source while training (as ``data.streaming``); None: ``data.streaming``."""
+
+    @field_validator("weight")
+    @classmethod
+    def _check_weight(cls, weight: float) -> float:
+        if not weight > 0 or weight == float("inf"):
+            raise ConfigError(
+                f"weight = {weight}: a source's weight must be a positive number (its relative share of the samples); "
+                "to leave a source out, remove its [[data.sources]] table"
+            )
+        return weight
+
+    @property
+    def label(self) -> str:
+        """``name``, or the name derived from ``source``."""
+        return self.name or source_name(self.source)
+
+
+def source_name(source: str) -> str:
+    """The default name of a source: a local path's stem (``data/ocr.jsonl`` -> ``ocr``), or a hub id's last part."""
+    tail = source.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    return tail.split(".", 1)[0] if "." in tail and not tail.startswith(".") else tail
+
+
+def _check_source_names(field: str, sources: list[SourceConfig]) -> None:
+    labels = [s.label for s in sources]
+    repeated = sorted({n for n in labels if labels.count(n) > 1})
+    if repeated:
+        raise ConfigError(
+            f"data.{field}: the name(s) {repeated} are used by more than one source; give each table its own "
+            'name = "..." (names label the metrics and the accounting)'
+        )
+
+
 class DataConfig(_Section):
     source: str = SHAPES_DATASET
     """``shapes``, a local jsonl / json / parquet file, or a hub dataset id."""
@@ -222,6 +274,29 @@ class DataConfig(_Section):
     streaming: bool = False
     """Read ``source`` as a ``datasets`` IterableDataset (parquet / jsonl shards or a hub id) instead of preparing it
     on local disk; rows are visited in shard order (no global shuffle)."""
+    sources: list[SourceConfig] = []
+    """A weighted mixture (``[[data.sources]]`` tables) instead of the one ``source``: each training sample comes from
+    a source drawn by weight (README: Mixing sources). Empty: ``source`` alone."""
+    eval_sources: list[SourceConfig] = []
+    """Held-out sources (``[[data.eval_sources]]``), each scored on its own too (``eval_loss/<name>``); empty:
+    ``eval_source``."""
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        for field, one in (("sources", "source"), ("eval_sources", "eval_source")):
+            tables = getattr(self, field)
+            if tables and one in self.model_fields_set:
+                raise ConfigError(
+                    f"data.{one} and [[data.{field}]] are both set; keep one: a single {one}, or one "
+                    f"[[data.{field}]] table per source"
+                )
+            _check_source_names(field, tables)
+        return self
+
+    @property
+    def uses_shapes(self) -> bool:
+        """Whether the training data is (or mixes in) the generated shapes dataset."""
+        return SHAPES_DATASET in ([s.source for s in self.sources] if self.sources else [self.source])
 
 
 class TrainConfig(_Section):
@@ -367,7 +442,7 @@ class RunConfig(_Section):
                 f"data.seq_len ({d.seq_len}) > data.pack_len ({d.pack_len}): a kept sample could never fit a pack; "
                 f"set data.pack_len >= {d.seq_len} or lower data.seq_len"
             )
-        if d.source == SHAPES_DATASET and m.vlm is None:
+        if d.uses_shapes and m.vlm is None:
             raise ConfigError(
                 "the shapes dataset has images but [model.vlm] is missing; add a [model.vlm] section "
                 "(or --model.vlm.freeze_vision true)"
@@ -402,6 +477,12 @@ class RunConfig(_Section):
             raise ConfigError(
                 f"train.ep_size = {t.ep_size} with train.cp_size = {t.cp_size}: expert parallelism and context "
                 "parallelism are not combined yet; set one of them to 1"
+            )
+        streamed = [s.label for s in d.sources if (d.streaming if s.streaming is None else s.streaming)]
+        if t.epochs is not None and streamed:
+            raise ConfigError(
+                f"train.epochs = {t.epochs} with the streamed source(s) {streamed} in [[data.sources]]: a mixture's "
+                "epoch is the rows of all its sources, unknown for a streamed one; set train.max_steps instead"
             )
         if d.packing == "stack" and d.max_image_patches_per_pack is not None:
             raise ConfigError(

@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from vlm_sft.config import RunConfig, cli_parser, parse_cli
-from vlm_sft.data.accounting import format_skips
+from vlm_sft.data.accounting import format_skips, format_sources
 from vlm_sft.data.pipeline import summarize_pass
 
 
@@ -28,14 +28,16 @@ def build_report(cfg: RunConfig, *, packing: str | None = None, progress: bool =
     processor = data_build.build_processor(cfg)
     renderer = data_build.build_renderer(cfg, processor)
     sources = data_build.load_sources(cfg)
-    total = None if isinstance(sources.train, data_build.StreamedSource) else len(sources.train)
-    bar = tqdm(total=total, desc="rendering + packing", unit="sample", disable=not progress)
+    bar = tqdm(total=sources.train_rows, desc="rendering + packing", unit="sample", disable=not progress)
     pipeline = data_build.build_pipeline(
         cfg, sources.train, renderer, epochs=1, shuffle=False, packing=packing, progress=bar
     )
     summary = summarize_pass(pipeline)  # raises unless seen == packed + skipped
     bar.close()
-    return {"source": cfg.data.source, "packing": packing or cfg.data.packing, "seq_len": cfg.data.seq_len, **summary}
+    d = cfg.data
+    label = "mixture of " + ", ".join(e.label for e in d.sources) if d.sources else d.source
+    weights = {"weights": {e.label: e.weight for e in d.sources}} if d.sources else {}
+    return {"source": label, "packing": packing or d.packing, "seq_len": d.seq_len, **weights, **summary}
 
 
 def format_report(report: dict) -> str:
@@ -46,6 +48,7 @@ def format_report(report: dict) -> str:
         f"  samples skipped   {sum(v['count'] for v in report['skipped'].values()):>10}",
     ]
     lines += format_skips(report["skipped"])
+    lines += format_sources(report.get("sources", {}), report.get("weights"))
     lines += [
         f"  packs             {report['packs']:>10}",
         f"  real tokens       {report['real_tokens']:>10}",

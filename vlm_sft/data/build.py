@@ -7,7 +7,9 @@ side of a run is ``vlm_sft.checkpoint.build``'s.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,10 @@ from renderers import (
     served_probes,
 )
 from renderers.served import default_thinking_mode, last_reply_reasons, with_thinking_default
-from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, ConfigError, RunConfig
+from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, ConfigError, RunConfig, SourceConfig
 from vlm_sft.data.image_roots import ImageRoots
-from vlm_sft.data.pipeline import PackingPipeline
+from vlm_sft.data.mixture import ConcatSource, Mixture, MixturePart
+from vlm_sft.data.pipeline import IndexOrder, PackingPipeline
 from vlm_sft.data.shapes import materialize_shapes
 from vlm_sft.data.sources import (
     ConversationSource,
@@ -84,24 +87,26 @@ def check_served_template(cfg: RunConfig, processor: Any, renderer: Any, source:
     check_template_parity(renderer, processor)
     for probe in served_probes(cfg.data.enable_thinking):
         check_served_prompt(renderer, processor, probe)
-    if not warn or isinstance(source, StreamedSource) or not len(source):
+    prepared = [p.source for p in source.parts] if isinstance(source, MixedSources) else [source]
+    prepared = [s for s in prepared if not isinstance(s, StreamedSource) and len(s)]
+    if not warn or not prepared:
         return
-    rows = range(min(len(source), THINKING_PROBE_ROWS))
-    reasoning = sum(_reasons(source, i) for i in rows)
-    if not cfg.data.enable_thinking and reasoning > len(rows) / 2:
+    probes = [(s, i) for s in prepared for i in range(min(len(s), THINKING_PROBE_ROWS // len(prepared)))]
+    reasoning = sum(_reasons(s, i) for s, i in probes)
+    if not cfg.data.enable_thinking and reasoning > len(probes) / 2:
         logger.warning(
             "%d of the first %d training rows end in a reply with reasoning, but data.enable_thinking = false: the "
             "saved template's default prompt closes the think block, so served the default way the model is never "
             "asked to reason; set data.enable_thinking = true for reasoning data",
             reasoning,
-            len(rows),
+            len(probes),
         )
     elif cfg.data.enable_thinking and reasoning == 0:
         logger.warning(
             "none of the first %d training rows ends in a reply with reasoning, but data.enable_thinking = true: the "
             "saved template's default prompt opens a think block the data never fills; set data.enable_thinking = "
             "false for data without reasoning",
-            len(rows),
+            len(probes),
         )
 
 
@@ -126,36 +131,74 @@ class StreamedSource:
     """Where its images may be read from (by default the data folder; for a hub dataset its caches)."""
 
     @classmethod
-    def open(cls, cfg: RunConfig) -> StreamedSource:
+    def open(
+        cls, path: str, *, split: str, image_root: str | None, allowed_image_roots: tuple[str, ...]
+    ) -> StreamedSource:
         """Checks the local files now (a missing one is an error at start-up, not in a data worker)."""
-        d = cfg.data
-        files = local_files(d.source)
-        allowed = tuple(d.allowed_image_roots)
+        files = local_files(path)
+        allowed = tuple(allowed_image_roots)
         if files is None:
-            root, allowed = d.image_root, allowed + hub_cache_roots(None)
+            root, allowed = image_root, allowed + hub_cache_roots(None)
         else:
-            folder = Path(d.source).expanduser()
-            root = d.image_root or str(folder if folder.is_dir() else folder.parent)
-        return cls(d.source, d.split, ImageRoots(root, allowed))
+            folder = Path(path).expanduser()
+            root = image_root or str(folder if folder.is_dir() else folder.parent)
+        return cls(path, split, ImageRoots(root, allowed))
+
+
+@dataclass(frozen=True)
+class MixedSource:
+    """One source of a training mixture, loaded."""
+
+    name: str
+    weight: float
+    source: ConversationSource | StreamedSource
+
+
+@dataclass(frozen=True)
+class MixedSources:
+    """The training sources of a mixture (``[[data.sources]]``), in config order; packed by ``Mixture``."""
+
+    parts: tuple[MixedSource, ...]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {p.name: p.weight for p in self.parts}
+
+    @property
+    def rows(self) -> int | None:
+        """Rows of all sources (one epoch's draws), or None when a source is streamed."""
+        if any(isinstance(p.source, StreamedSource) for p in self.parts):
+            return None
+        return sum(len(p.source) for p in self.parts)
 
 
 @dataclass(frozen=True)
 class DataSources:
     """Training and held-out conversations, with the eval task of each held-out row when the data has one."""
 
-    train: ConversationSource | StreamedSource
-    """Training rows (read while training with ``data.streaming``)."""
-    eval: ConversationSource | None
-    """Held-out rows, or None when the config names none."""
+    train: ConversationSource | StreamedSource | MixedSources
+    """Training rows (read while training with ``data.streaming``), or a mixture of sources."""
+    eval: ConversationSource | ConcatSource | None
+    """Held-out rows (of every ``[[data.eval_sources]]`` source, one after the other), or None when the config
+    names none."""
     eval_tasks: dict[int, str]
     """Held-out row index -> task name (``task`` column), for per-task accuracy; empty when absent."""
+    eval_groups: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Held-out row index -> source name with ``[[data.eval_sources]]`` (scored per source); empty otherwise."""
+
+    @property
+    def train_rows(self) -> int | None:
+        """Training rows (of all sources of a mixture), or None when streamed."""
+        if isinstance(self.train, MixedSources):
+            return self.train.rows
+        return None if isinstance(self.train, StreamedSource) else len(self.train)
 
 
 def materialize_data(cfg: RunConfig, *, progress: bool = True) -> dict[str, Path] | None:
     """Write the generated shapes dataset when the config uses it (idempotent; one process at a time: in a
     distributed run rank 0 does it before the others load). Returns its jsonl paths, or None for other sources."""
     d = cfg.data
-    if d.source != SHAPES_DATASET:
+    if not d.uses_shapes:
         return None
     s = d.shapes
     return materialize_shapes(
@@ -164,24 +207,82 @@ def materialize_data(cfg: RunConfig, *, progress: bool = True) -> dict[str, Path
 
 
 def load_sources(cfg: RunConfig) -> DataSources:
-    """Load the configured data (for ``shapes``, written first if it is not there yet)."""
+    """Load the configured data (for ``shapes``, written first if it is not there yet). A source that cannot be
+    opened, or has no rows, is a ``ConfigError`` naming it, raised before any model is built."""
     d = cfg.data
     shapes = materialize_data(cfg, progress=False)
-    if shapes is not None:
-        train_path, eval_path = shapes["train"], (shapes["eval"] if d.shapes.num_eval else None)
+    if d.sources:
+        train = MixedSources(tuple(MixedSource(e.label, e.weight, _open(cfg, e, shapes)) for e in d.sources))
+        _log_mixture(train)
     else:
-        train_path, eval_path = d.source, d.eval_source
-    roots = {"image_root": d.image_root, "allowed_image_roots": tuple(d.allowed_image_roots)}
-    if d.streaming and shapes is None:
-        train = StreamedSource.open(cfg)
+        train = _open(cfg, SourceConfig(source=d.source, name="train"), shapes)
+    if d.eval_sources:
+        parts = [
+            (e.label, _open(cfg, e.model_copy(update={"streaming": False}), shapes, held_out=True))
+            for e in d.eval_sources
+        ]
+        held = ConcatSource(parts)
+    elif d.eval_source is not None or (d.source == SHAPES_DATASET and not d.sources and d.shapes.num_eval):
+        entry = SourceConfig(source=d.eval_source or SHAPES_DATASET, name="eval", streaming=False)
+        held = _open(cfg, entry, shapes, held_out=True)
     else:
-        train = load_conversations(train_path, split=d.split, **roots)
-    held = load_conversations(eval_path, split=d.split, **roots) if eval_path is not None else None
+        held = None
     task_column = held.column("task") if held is not None else None
     tasks = {i: str(t) for i, t in enumerate(task_column or []) if t is not None}
-    rows = "streamed" if isinstance(train, StreamedSource) else str(len(train))
-    logger.info("data: %s training rows from %s, %d held-out", rows, train_path, len(held) if held else 0)
-    return DataSources(train=train, eval=held, eval_tasks=tasks)
+    groups = {i: held.source_of(i)[0] for i in range(len(held))} if isinstance(held, ConcatSource) else {}
+    rows = (
+        "streamed"
+        if isinstance(train, StreamedSource)
+        else str(len(train) if not isinstance(train, MixedSources) else train.rows)
+    )
+    where = "a mixture of " + ", ".join(p.name for p in train.parts) if isinstance(train, MixedSources) else d.source
+    logger.info("data: %s training rows from %s, %d held-out", rows, where, len(held) if held else 0)
+    return DataSources(train=train, eval=held, eval_tasks=tasks, eval_groups=groups)
+
+
+def _open(
+    cfg: RunConfig, entry: SourceConfig, shapes: dict[str, Path] | None, *, held_out: bool = False
+) -> ConversationSource | StreamedSource:
+    """One source of the config (``data.source`` as a one-table mixture, or a ``[[data.sources]]`` table)."""
+    d = cfg.data
+    path = entry.source
+    if path == SHAPES_DATASET:
+        path = str(shapes["eval" if held_out else "train"])
+    split = entry.split or d.split
+    roots = {
+        "image_root": entry.image_root or d.image_root,
+        "allowed_image_roots": (*d.allowed_image_roots, *entry.allowed_image_roots),
+    }
+    streaming = d.streaming if entry.streaming is None else entry.streaming
+    try:
+        if streaming and entry.source != SHAPES_DATASET:
+            return StreamedSource.open(path, split=split, **roots)
+        source = load_conversations(path, split=split, **roots)
+    except ConfigError:
+        raise
+    except Exception as err:  # a missing file, an unknown hub id, an unreadable format: name the source
+        what = (
+            f"data source {entry.label!r}"
+            if d.sources or d.eval_sources
+            else f"data.{'eval_' if held_out else ''}source"
+        )
+        raise ConfigError(f"{what} ({entry.source}) cannot be read: {type(err).__name__}: {err}") from err
+    if not len(source) and (d.sources or d.eval_sources):
+        raise ConfigError(f"data source {entry.label!r} ({entry.source}) has no rows; fill it or remove its table")
+    return source
+
+
+def _log_mixture(mixture: MixedSources) -> None:
+    """What one epoch of the mixture reads of each source (``vlm_sft.data.mixture``: epochs)."""
+    total_weight = sum(p.weight for p in mixture.parts)
+    epoch = mixture.rows
+    for p in mixture.parts:
+        share = p.weight / total_weight
+        if epoch is None or isinstance(p.source, StreamedSource):
+            passes = "streamed"
+        else:
+            passes = f"{len(p.source)} rows, {share * epoch / len(p.source):.2f} passes per epoch"
+        logger.info("data: source %r: weight %g (%.1f%% of the samples), %s", p.name, p.weight, 100 * share, passes)
 
 
 class _RequireVLM:
@@ -206,7 +307,7 @@ class _RequireVLM:
 
 def build_pipeline(
     cfg: RunConfig,
-    source: ConversationSource | StreamedSource,
+    source: ConversationSource | StreamedSource | MixedSources,
     renderer: Any,
     *,
     shard: int = 0,
@@ -224,14 +325,14 @@ def build_pipeline(
     d = cfg.data
     limit = d.max_skip_fraction if check_skips and d.max_skip_fraction < 1 else None
     shuffle = d.shuffle if shuffle is None else shuffle
-    order = None
-    if isinstance(source, StreamedSource):
-        convert = RowRenderFn(RowConverter(None, source.images), renderer)
-        order = StreamingRows(
-            source.path, row_to_sample=convert, shard=shard, num_shards=num_shards, split=source.split,
-            shuffle_files=shuffle, seed=cfg.train.seed,
-        )  # fmt: skip
-        render = order
+    order, source_of = None, None
+    if isinstance(source, MixedSources):
+        order = _mixture(cfg, source, renderer, shard=shard, num_shards=num_shards, shuffle=shuffle)
+        render, source_of = order, order.source_of
+    elif isinstance(source, StreamedSource):
+        order = render = _streamed(
+            cfg, source, renderer, shard=shard, num_shards=num_shards, shuffle=shuffle, seed=cfg.train.seed
+        )
     else:
         render = render_fn(source, renderer)
     return PackingPipeline(
@@ -252,7 +353,35 @@ def build_pipeline(
         order=order,
         max_skip_fraction=limit,
         skip_check_after=d.skip_check_after,
+        source_of=source_of,
     )
+
+
+def _streamed(
+    cfg: RunConfig, source: StreamedSource, renderer: Any, *, shard: int, num_shards: int, shuffle: bool, seed: int
+) -> StreamingRows:
+    convert = RowRenderFn(RowConverter(None, source.images), renderer)
+    return StreamingRows(
+        source.path, row_to_sample=convert, shard=shard, num_shards=num_shards, split=source.split,
+        shuffle_files=shuffle, seed=seed,
+    )  # fmt: skip
+
+
+def _mixture(
+    cfg: RunConfig, mixture: MixedSources, renderer: Any, *, shard: int, num_shards: int, shuffle: bool
+) -> Mixture:
+    """Data stream ``shard`` of ``num_shards`` of a mixture: every source's share for this stream, each in its own
+    order (seeded by the run's seed and the source's name, so adding a source leaves the others' orders alone)."""
+    parts = []
+    for p in mixture.parts:
+        seed = cfg.train.seed + zlib.crc32(p.name.encode())
+        if isinstance(p.source, StreamedSource):
+            rows = _streamed(cfg, p.source, renderer, shard=shard, num_shards=num_shards, shuffle=shuffle, seed=seed)
+            parts.append(MixturePart(p.name, p.weight, rows, rows, None))
+        else:
+            order = IndexOrder(len(p.source), shuffle=shuffle, seed=seed, rank=shard, world_size=num_shards)
+            parts.append(MixturePart(p.name, p.weight, order, render_fn(p.source, renderer), len(p.source)))
+    return Mixture(parts, seed=cfg.train.seed, stream=shard, streams=num_shards)
 
 
 @dataclass(frozen=True)
@@ -262,7 +391,7 @@ class TrainPipelines:
     number of ranks and workers; which rank reads which is ``trainer.batches.DataLayout``'s business."""
 
     cfg: RunConfig
-    source: ConversationSource | StreamedSource
+    source: ConversationSource | StreamedSource | MixedSources
     renderer: Any
     epochs: int | None = None
     """Passes before the stream ends (None: forever, as in training; counting the steps of an epochs-run sets it)."""

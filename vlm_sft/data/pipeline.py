@@ -137,6 +137,7 @@ class PackingPipeline:
         order: SampleOrder | None = None,
         max_skip_fraction: float | None = None,
         skip_check_after: int = 200,
+        source_of: Callable[[int], tuple[str, int]] | None = None,
     ) -> None:
         if seq_len is not None and seq_len > pack_len:
             raise ValueError(
@@ -157,6 +158,9 @@ class PackingPipeline:
         """Raise ``SkipFractionError`` when more than this fraction of the samples seen were skipped (None: never)."""
         self.skip_check_after = skip_check_after
         """Samples to see before the fraction is checked (a whole pass counts too, if it is shorter)."""
+        self.source_of = source_of
+        """Sample index -> ``(source name, row)`` for a mixture (``vlm_sft.data.mixture``): the accounting and the
+        skip check are then kept per source too. None: one source."""
         self.packer = make_packer(
             packing,
             pack_len,
@@ -204,34 +208,56 @@ class PackingPipeline:
             pack = self.packer.pop()
             if pack is not None:
                 self._epoch_packs += 1
-                self.accounting.packed += len(pack.samples)
+                for sample in pack.samples:
+                    source = self._source(sample.sample_index)[0]
+                    self.accounting.count_packed(source, len(sample), sample.num_trainable_tokens)
                 return pack
             if self.epochs is not None and self._epoch >= self.epochs:
                 raise StopIteration
             index = self.order.index_at(self._epoch, self._pos)
             if index is not None:
                 self._pos += 1
-                self.accounting.seen += 1
+                source, row = self._source(index)
+                self.accounting.count_seen(source)
                 try:
                     self.packer.push(self.prepare(index))
                 except SampleError as err:
-                    self.accounting.skips.add(err)
-                    self._check_skips(self.accounting.seen >= self.skip_check_after)
+                    self.accounting.count_skip(err, source, row)
+                    self._check_skips(False)
                 continue
             self.packer.flush()
             if self.packer.num_pending == 0:
                 self._check_skips(True)
                 self._end_epoch()
 
-    def _check_skips(self, enough_seen: bool) -> None:
+    def _source(self, index: int) -> tuple[str | None, int]:
+        return (None, index) if self.source_of is None else self.source_of(index)
+
+    def _check_skips(self, pass_done: bool) -> None:
+        """Raise ``SkipFractionError`` when more than ``max_skip_fraction`` of the samples seen were skipped, in all
+        or in any one source of a mixture (each source once it saw ``skip_check_after`` samples of its own), so that
+        a broken small source cannot hide in a healthy total. The message names the sources over the limit."""
         a, limit = self.accounting, self.max_skip_fraction
-        if limit is None or not enough_seen or a.skip_fraction <= limit:
+        if limit is None:
             return
+        enough = pass_done or a.seen >= self.skip_check_after
+        over = [n for n, c in a.sources.items() if c.skip_fraction > limit]
+        named = [n for n in over if pass_done or a.sources[n].seen >= self.skip_check_after]
+        if not named and not (enough and a.skip_fraction > limit):
+            return
+        if over:
+            c = a.sources[over[0]]
+            what = (
+                f"data source {over[0]!r}: {c.skipped} of its {c.seen} samples seen so far "
+                f"({100 * c.skip_fraction:.1f}%) were skipped"
+            )
+            where, fix = "this data stream", f"Fix the rows of {over[0]!r} above, remove the source"
+        else:
+            what = f"{a.skipped} of the {a.seen} samples seen so far ({100 * a.skip_fraction:.1f}%) were skipped"
+            where, fix = "data shard " + str(self.order.fingerprint()), "Fix the rows above"
         raise SkipFractionError(
-            f"{a.skipped} of the {a.seen} samples seen so far ({100 * a.skip_fraction:.1f}%) were skipped, more "
-            f"than data.max_skip_fraction = {limit}:\n{a.format('data shard ' + str(self.order.fingerprint()))}\n"
-            "Fix the rows above (python -m vlm_sft.report lists every skip of the whole dataset), or raise "
-            "data.max_skip_fraction (1 disables the check)"
+            f"{what}, more than data.max_skip_fraction = {limit}:\n{a.format(where)}\n{fix} (python -m vlm_sft.report "
+            "lists every skip of the whole dataset), or raise data.max_skip_fraction (1 disables the check)"
         )
 
     def _end_epoch(self) -> None:
@@ -315,7 +341,8 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
 
     Returns ``samples_seen``, ``samples_packed``, ``skipped`` ``{reason: {count, examples}}``, ``packs``, ``rows``,
     ``real_tokens``, ``trainable_tokens``, ``padding_tokens``, ``capacity_tokens``, ``packing_efficiency`` (real /
-    capacity), ``images``, ``patches_per_pack`` ``{min, median, max}`` and ``pack_len``.
+    capacity), ``images``, ``patches_per_pack`` ``{min, median, max}`` and ``pack_len``; for a mixture also
+    ``sources`` ``{name: {seen, packed, skipped, samples_skipped, buffered, real_tokens, trainable_tokens}}``.
     """
     if pipeline.epochs is None:
         raise ValueError("summarize_pass needs a finite pipeline: set epochs to an integer")
@@ -345,6 +372,7 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
         "padding_tokens": capacity - real,
         "capacity_tokens": capacity,
         "packing_efficiency": real / capacity if capacity else 0.0,
+        **({"sources": {n: c.to_dict() for n, c in accounting.sources.items()}} if accounting.sources else {}),
         "images": images,
         "patches_per_pack": {
             "min": min(patches, default=0),

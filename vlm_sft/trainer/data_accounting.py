@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -32,12 +33,23 @@ class RunAccounting:
     COUNTS = ("samples_seen", "samples_packed", "samples_skipped")
     """The counts carried in each step's all-reduce (summed over ranks)."""
 
-    def __init__(self, out_dir: Path, env: DistEnv, batches: TrainBatches, *, replica: bool = False) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        env: DistEnv,
+        batches: TrainBatches,
+        *,
+        replica: bool = False,
+        weights: Mapping[str, float] | None = None,
+    ) -> None:
         self.path = out_dir / ACCOUNTING_FILE
         self.env = env
         self.batches = batches
         self.replica = replica
         """This rank loads the same samples as another (a context-parallel group's rank > 0): counted once, there."""
+        self.weights = dict(weights or {})
+        """A mixture's sources and weights, in config order (empty for one source): ``metrics.jsonl`` carries each
+        source's samples seen as ``samples/<name>``, and the reports its realized share beside the weight's."""
         # After a resume the pipelines' states say how many passes are done; every rank starts from the least.
         local = torch.tensor([batches.accounting().passes], dtype=torch.float64)
         self.passes_reported = int(all_reduce(local, env, "min"))
@@ -46,15 +58,19 @@ class RunAccounting:
     def local_values(self) -> list[float]:
         """This rank's part of the step's all-reduce: the counts, then 1 if it finished the next unreported pass."""
         acc = self.batches.accounting()
-        counts = [0.0] * 3 if self.replica else [float(acc.seen), float(acc.packed), float(acc.skipped)]
+        counts = [float(acc.seen), float(acc.packed), float(acc.skipped)]
+        counts += [float(acc.sources[n].seen if n in acc.sources else 0) for n in self.weights]
+        if self.replica:
+            counts = [0.0] * len(counts)
         return [*counts, float(acc.passes > self.passes_reported)]
 
     def after_step(self, totals: list[float], step: int) -> dict[str, int]:
         """The summed counts for the metrics; reports the pass when every rank has finished it."""
-        if int(totals[3]) == self.env.world_size:
+        if int(totals[-1]) == self.env.world_size:
             self.passes_reported += 1
             self.report(step, f"pass {self.passes_reported} over the training data", pass_number=self.passes_reported)
-        return dict(zip(self.COUNTS, (int(v) for v in totals[:3]), strict=True))
+        names = [*self.COUNTS, *(f"samples/{n}" for n in self.weights)]
+        return dict(zip(names, (int(v) for v in totals[:-1]), strict=True))
 
     def report(self, step: int, when: str, pass_number: int | None = None) -> DataAccounting:
         """Gather every rank's accounting; rank 0 logs it and rewrites ``data_accounting.json``. All ranks call it.
@@ -67,7 +83,7 @@ class RunAccounting:
         total.check()
         if self.env.is_main:
             entry = {"step": step, "when": when, **_counts(total)}
-            text = total.format(f"data after step {step} ({when}), running totals")
+            text = total.format(f"data after step {step} ({when}), running totals", weights=self.weights)
             if pass_number is not None and total.passes >= pass_number:
                 counts = total.pass_counts(pass_number)
                 entry["pass"] = {"number": pass_number, **counts}

@@ -143,8 +143,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model.train()
     pipelines = data_build.TrainPipelines(cfg, sources.train, renderer)
-    if env.is_main and not isinstance(sources.train, data_build.StreamedSource):
-        warn_small_streams(len(sources.train), layout, cfg.data.bfd_buffer, cfg.data.packing)
+    if env.is_main and sources.train_rows is not None:
+        warn_small_streams(sources.train_rows, layout, cfg.data.bfd_buffer, cfg.data.packing)
     total_steps = cfg.train.max_steps or count_steps(pipelines, layout, env, cfg.train.epochs)
     optimizer = build_optimizer(model, cfg.train)
     scheduler = build_scheduler(optimizer, cfg.train, total_steps)
@@ -176,7 +176,8 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
             project=cfg.train.project,
             tracker_state=saved.extra.get("trackers") if saved is not None else None,  # continue the tracker runs
         )
-    accounting = RunAccounting(out_dir, env, train_batches, replica=mesh.cp.rank > 0)
+    weights = {e.label: e.weight for e in cfg.data.sources}
+    accounting = RunAccounting(out_dir, env, train_batches, replica=mesh.cp.rank > 0, weights=weights)
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
         metrics, total_steps, step, compute_dtype, balance, mesh.cp, build.weights_source(cfg), generation,
