@@ -177,7 +177,7 @@ class SourceConfig(_Section):
         if not weight > 0 or weight == float("inf"):
             raise ConfigError(
                 f"weight = {weight}: a source's weight must be a positive number (its relative share of the samples); "
-                "to leave a source out, remove its [[data.sources]] table"
+                "to leave a source out, remove its table"
             )
         return weight
 
@@ -187,10 +187,19 @@ class SourceConfig(_Section):
         return self.name or source_name(self.source)
 
 
+SPLIT_STEMS = ("train", "eval", "test", "val", "valid", "validation", "dev", "data")
+"""File stems that name a split, not a source: ``ocr/train.jsonl`` is named after its folder, ``ocr``."""
+
+
 def source_name(source: str) -> str:
-    """The default name of a source: a local path's stem (``data/ocr.jsonl`` -> ``ocr``), or a hub id's last part."""
-    tail = source.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
-    return tail.split(".", 1)[0] if "." in tail and not tail.startswith(".") else tail
+    """The default name of a source: a local path's stem (``data/ocr.jsonl`` -> ``ocr``; for a split's file such as
+    ``ocr/train.jsonl`` the folder's name), or a hub id's last part."""
+    parts = [p for p in source.replace("\\", "/").split("/") if p and p != "."]
+    if not parts:
+        return source
+    tail = parts[-1]
+    stem = tail.split(".", 1)[0] if "." in tail and not tail.startswith(".") else tail
+    return parts[-2] if stem.lower() in SPLIT_STEMS and len(parts) > 1 else stem
 
 
 def _check_source_names(field: str, sources: list[SourceConfig]) -> None:

@@ -35,6 +35,7 @@ from vlm_sft.data.sources import (
     RowRenderFn,
     hub_cache_roots,
     load_conversations,
+    local_path,
     render_fn,
 )
 from vlm_sft.data.streaming import StreamingRows, local_files
@@ -254,22 +255,30 @@ def _open(
         "allowed_image_roots": (*d.allowed_image_roots, *entry.allowed_image_roots),
     }
     streaming = d.streaming if entry.streaming is None else entry.streaming
+    empty = ConfigError(f"{_what(cfg, entry, held_out)} ({entry.source}) has no rows; fill it or remove its table")
     try:
+        local = local_path(path)
+        if local is not None and local.is_file() and local.stat().st_size == 0:  # ``datasets``: "no data!"
+            raise empty
         if streaming and entry.source != SHAPES_DATASET:
             return StreamedSource.open(path, split=split, **roots)
         source = load_conversations(path, split=split, **roots)
     except ConfigError:
         raise
     except Exception as err:  # a missing file, an unknown hub id, an unreadable format: name the source
-        what = (
-            f"data source {entry.label!r}"
-            if d.sources or d.eval_sources
-            else f"data.{'eval_' if held_out else ''}source"
-        )
-        raise ConfigError(f"{what} ({entry.source}) cannot be read: {type(err).__name__}: {err}") from err
-    if not len(source) and (d.sources or d.eval_sources):
-        raise ConfigError(f"data source {entry.label!r} ({entry.source}) has no rows; fill it or remove its table")
+        raise ConfigError(
+            f"{_what(cfg, entry, held_out)} ({entry.source}) cannot be read: {type(err).__name__}: {err}"
+        ) from err
+    if not len(source):
+        raise empty
     return source
+
+
+def _what(cfg: RunConfig, entry: SourceConfig, held_out: bool) -> str:
+    """How an error names a source: its table's name in a mixture, else the setting."""
+    if cfg.data.sources or cfg.data.eval_sources:
+        return f"data source {entry.label!r}"
+    return f"data.{'eval_' if held_out else ''}source"
 
 
 def _log_mixture(mixture: MixedSources) -> None:

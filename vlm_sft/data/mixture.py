@@ -16,8 +16,9 @@ shard): every row once per pass of that source, without replacement. A source th
 (reshuffled) and stream 0 logs it; a small, heavily weighted source is simply read more often.
 
 **Epochs.** One epoch of a mixture is ``sum(rows of every source)`` draws over all streams: with weights proportional
-to the sources' sizes it reads every row once, as an epoch of the concatenated data would; otherwise source ``s``
-is read ``weight_s / sum(weights) x total_rows / rows_s`` times per epoch (the run logs it). The pipeline flushes its
+to the sources' sizes it reads every source about once (to within the rounding of each stream's last, partial
+block), as an epoch of the concatenated data would; otherwise source ``s`` is read
+``weight_s / sum(weights) x total_rows / rows_s`` times per epoch (the run logs it). The pipeline flushes its
 packer at the end of each epoch. A mixture with a streamed source has no known size: its epoch never ends, and
 ``train.epochs`` is refused (set ``train.max_steps``).
 
