@@ -214,3 +214,20 @@ def test_sources_that_cannot_be_used_are_named_before_any_model(tmp_path, data_d
     streamed = _table(str(data_dir / "streamed"), 1, streaming=True)
     with pytest.raises(ConfigError, match=r"train.epochs = 1.0 with the streamed source"):
         _config(tmp_path, data_dir, _table("shapes", 1) + streamed, "--train.epochs", "1", "--train.max_steps", "none")
+
+
+def test_a_resume_with_other_weights_is_refused_before_the_model_naming_the_mixture(tmp_path, data_dir):
+    from vlm_sft.trainer.batches import DataLayout, check_data_settings
+
+    text = str(data_dir / "text.jsonl")
+    saved_cfg = _config(tmp_path, data_dir, _table("shapes", 6) + _table(text, 3))
+    renderer, sources = _parts(saved_cfg)
+    pipeline = data_build.build_pipeline(saved_cfg, sources.train, renderer, epochs=None)
+    next(pipeline)
+    position = {"streams": {"0": pipeline.state_dict()}}
+    layout = DataLayout(0, 1, 1, 1)
+    check_data_settings(position, data_build.TrainPipelines(saved_cfg, sources.train, renderer), layout)  # same: ok
+    changed = _config(tmp_path, data_dir, _table("shapes", 6) + _table(text, 4))
+    pipelines = data_build.TrainPipelines(changed, data_build.load_sources(changed).train, renderer)
+    with pytest.raises(ConfigError, match=r"mixture shapes = 6, text = 3; this config mixes shapes = 6, text = 4"):
+        check_data_settings(position, pipelines, layout)

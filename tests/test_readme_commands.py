@@ -109,6 +109,14 @@ COMMANDS: dict[str, Run | Covered] = {
         "train"
     ),
     "python -m vlm_sft.report --config configs/qwen3_5_0_8b.toml --data.source data/train.jsonl": Run("report"),
+    "python -m vlm_sft.data.mixture_example": Covered(
+        "tests/test_mixture_example.py runs the CLI's main (into a temporary folder) and loads what it writes",
+        ("tests/test_mixture_example.py", "assert main(argv) == 0"),
+    ),
+    "accelerate launch vlm_sft/train.py --config configs/debug_mixture.toml": Covered(
+        "tests/test_mixture_example.py trains the shipped config, made tiny, on the example's files",
+        ("tests/test_mixture_example.py", "def test_the_config_trains_on_the_mixture_and_scores_each_eval_source"),
+    ),
     "python -m vlm_sft.check_packing --config configs/qwen3_5_0_8b.toml": Run("check_packing"),
     "accelerate launch --multi_gpu --num_processes 2 vlm_sft/train.py --config configs/debug.toml": Run(
         "train", procs=2

@@ -263,7 +263,7 @@ class PackingPipeline:
     def _end_epoch(self) -> None:
         if self._epoch_packs == 0 and self.epochs is None:
             raise EmptyPassError(
-                f"shard {self._fingerprint()['order']}: a whole pass produced no pack "
+                f"shard {self.settings()['order']}: a whole pass produced no pack "
                 f"({self._pos} samples in the pass).\n{self.accounting.format('this shard')}\n"
                 "Fix the skipped rows, or use fewer data workers / ranks than usable samples"
             )
@@ -277,7 +277,8 @@ class PackingPipeline:
         return self._epoch
 
     # -- state ----------------------------------------------------------------------------------------------------
-    def _fingerprint(self) -> dict:
+    def settings(self) -> dict:
+        """What a saved state must have been written with to continue here (plain values; compared on resume)."""
         return {
             "order": self.order.fingerprint(),
             "seq_len": self.seq_len,
@@ -290,7 +291,7 @@ class PackingPipeline:
         packer = self.packer.state_dict()
         return {
             "version": STATE_VERSION,
-            "config": self._fingerprint(),
+            "config": self.settings(),
             "epoch": self._epoch,
             "position": self._pos,
             "epoch_packs": self._epoch_packs,
@@ -303,11 +304,9 @@ class PackingPipeline:
         """Continue from ``state``: the next packs are those the saved pipeline would have yielded next."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"pipeline state version {state.get('version')!r}; this code reads {STATE_VERSION}")
-        mismatch = {
-            k: (v, state["config"].get(k)) for k, v in self._fingerprint().items() if state["config"].get(k) != v
-        }
-        if mismatch:
-            raise ValueError(f"pipeline state was saved with other settings (now, saved): {mismatch}")
+        change = settings_change(self.settings(), state["config"])
+        if change:
+            raise ValueError(change)
         self._epoch = int(state["epoch"])
         self._pos = int(state["position"])
         self._epoch_packs = int(state["epoch_packs"])
@@ -324,6 +323,29 @@ class PackingPipeline:
                 f"sample {index} was accepted before the checkpoint but now fails ({err}); "
                 "render_fn must be deterministic per index for an exact resume"
             ) from err
+
+
+def settings_change(now: dict, saved: dict) -> str:
+    """Why a pipeline state saved with ``saved`` settings cannot continue under ``now`` (empty when it can): for a
+    mixture its sources and weights, else each differing setting with both values."""
+    diff = {k: (v, saved.get(k)) for k, v in now.items() if saved.get(k) != v}
+    if not diff:
+        return ""
+    mix_now, mix_saved = (x.get("mixture") if isinstance(x, dict) else None for x in diff.get("order", (None, None)))
+    if mix_now is not None and mix_saved is not None and len(diff) == 1:
+
+        def weights(m: list) -> str:
+            return ", ".join(f"{name} = {weight:g}" for name, weight, _ in m)
+
+        if weights(mix_now) != weights(mix_saved):
+            return (
+                f"the checkpoint's data was drawn from the mixture {weights(mix_saved)}; this config mixes "
+                f"{weights(mix_now)}: the saved position continues only the same sources with the same weights. "
+                "Restore [[data.sources]] as saved, or start a new run from the checkpoint's weights "
+                "(model.name_or_path = <checkpoint>/hf, train.resume = none)"
+            )
+    parts = "; ".join(f"{k}: now {v[0]!r}, saved {v[1]!r}" for k, v in diff.items())
+    return f"the checkpoint's data was packed with other settings ({parts}); restore them to resume exactly"
 
 
 def _live_indices(packer_state: dict) -> list[int]:

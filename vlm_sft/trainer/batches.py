@@ -45,7 +45,7 @@ from vlm_sft.cpu_threads import usable_cores
 from vlm_sft.data.accounting import DataAccounting
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
-from vlm_sft.data.pipeline import EmptyPassError, PackingPipeline
+from vlm_sft.data.pipeline import EmptyPassError, PackingPipeline, settings_change
 from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce
 from vlm_sft.parallel.env import DistEnv
 
@@ -187,6 +187,18 @@ def check_position(state: Mapping, layout: DataLayout) -> None:
             f"the data position was saved {state['in_step']} micro-batch(es) into a step; only a position at a step's "
             f"end resumes with another split of the global batch (saved {describe_layout(saved)})"
         )
+
+
+def check_data_settings(state: Mapping, make_pipeline: MakePipeline, layout: DataLayout) -> None:
+    """Refuse, before any model is built, a position saved with other data settings (a mixture's sources or
+    weights, the pack length, ...): its streams could not continue the saved order."""
+    streams = state.get("streams", {})
+    if not streams:
+        return
+    key, saved = next(iter(streams.items()))
+    change = settings_change(make_pipeline(int(key), layout.num_streams).settings(), saved["config"])
+    if change:
+        raise ConfigError(change)
 
 
 class _StreamBatches(IterableDataset):

@@ -25,7 +25,7 @@ from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.parallel.collectives import all_reduce
 from vlm_sft.parallel.env import DistEnv
-from vlm_sft.trainer.scoring import filler_batch, score_batch
+from vlm_sft.trainer.scoring import BatchScores, filler_batch, score_batch
 
 
 @torch.no_grad()
@@ -35,21 +35,26 @@ def evaluate(
     *,
     env: DistEnv,
     sample_tasks: dict[int, str] | None = None,
+    sample_groups: dict[int, str] | None = None,
 ) -> dict[str, float]:
     """Eval loss and per-task accuracy over ``batches`` (this rank's share, CPU batches), reduced over all ranks.
 
     Returns ``eval_loss`` (loss sum / trainable tokens), ``eval_tokens``, and ``eval_acc_<task>`` for every task of
-    ``sample_tasks`` (dataset index -> task) that has a scored sample, plus ``eval_acc_all``. ``sample_tasks`` must be
-    the same map on every rank (the whole held-out split's): its task names fix the layout of the reduced tallies.
+    ``sample_tasks`` (dataset index -> task) that has a scored sample, plus ``eval_acc_all``. With ``sample_groups``
+    (dataset index -> held-out source name) also ``eval_loss/<name>`` for every source with a trainable token and
+    ``eval_acc/<name>`` for every source with a scored sample. Both maps must be the same on every rank (the whole
+    held-out split's): their names fix the layout of the reduced tallies.
 
     Every rank runs the same number of forwards (FSDP all-gathers parameters in each one): a rank with fewer batches
     than its peers, or none at all, scores a tiny filler batch instead, which contributes nothing. Collectives: one
     ``max`` of the batch counts before, one ``sum`` of all tallies after, on CPU tensors.
     """
-    tasks = sample_tasks or {}
+    tasks, groups = sample_tasks or {}, sample_groups or {}
     keys = sorted(set(tasks.values()) | {"all"})  # the same on every rank: the tally tensor has one layout
+    names = sorted(set(groups.values()))
     n_forwards = int(all_reduce(torch.tensor([len(batches)]), env, "max"))
     sums = torch.zeros(2, dtype=torch.float64)  # loss sum, trainable tokens
+    per_group = torch.zeros(len(names), len(GROUP_TALLY), dtype=torch.float64)
     correct: Counter[str] = Counter()
     seen: Counter[str] = Counter()
     was_training = model.training
@@ -65,15 +70,55 @@ def evaluate(
                 for key in {tasks.get(sample.index, "all"), "all"}:
                     seen[key] += 1
                     correct[key] += int(sample.answered)
+            if names:
+                _tally_groups(per_group, scored, batches[i].loss_mask, groups, names)
     finally:
         model.train(was_training)
     counts = torch.tensor([[correct[k], seen[k]] for k in keys], dtype=torch.float64)
-    total = all_reduce(torch.cat([sums, counts.flatten()]), env, "sum")
-    loss_sum, tokens, counts = float(total[0]), int(total[1]), total[2:].view(-1, 2).tolist()
+    total = all_reduce(torch.cat([sums, counts.flatten(), per_group.flatten()]), env, "sum")
+    loss_sum, tokens = float(total[0]), int(total[1])
+    counts = total[2 : 2 + 2 * len(keys)].view(-1, 2).tolist()
     out: dict[str, float] = {"eval_loss": loss_sum / max(tokens, 1), "eval_tokens": tokens}
     for key, (c, s) in zip(keys, counts, strict=True):
         if s:
             out[f"eval_acc_{key}"] = c / s
+    out.update(_group_metrics(names, total[2 + 2 * len(keys) :].view(len(names), len(GROUP_TALLY))))
+    return out
+
+
+GROUP_TALLY = ("loss_sum", "tokens", "answered", "scored")
+"""Columns of the per-source tally (one row per source name, sorted), summed over batches and then over ranks."""
+SOURCE_LOSS, SOURCE_ACC = "eval_loss/", "eval_acc/"
+"""Prefixes of the per-source keys (``eval_loss/<name>``, ``eval_acc/<name>``); ``/`` groups them in the trackers and
+keeps them apart from the per-task ``eval_acc_<task>``."""
+
+
+def _tally_groups(
+    per_group: torch.Tensor, scored: BatchScores, loss_mask: torch.Tensor, groups: dict[int, str], names: list[str]
+) -> None:
+    """Adds every scored sample of a batch to its source's row of ``per_group`` (``[len(names), 4]``, fp64).
+
+    A sample's loss is ``nll`` summed over its whole span: ``nll`` is 0 off the loss mask, so this is the sum over its
+    trainable positions, and samples left out of ``scored.samples`` (padding, nothing trainable) hold none of the
+    batch's loss. The sources' sums therefore add up to ``scored.loss_sum`` (both accumulated in fp64).
+    """
+    row_of = {name: i for i, name in enumerate(names)}
+    for s in scored.samples:
+        assert s.index in groups, f"held-out row {s.index} has no source in eval_groups"
+        loss = float(scored.nll[s.row, s.start : s.end].sum(dtype=torch.float64))
+        tokens = int(loss_mask[s.row, s.start : s.end].sum())
+        per_group[row_of[groups[s.index]]] += torch.tensor([loss, tokens, int(s.answered), 1], dtype=torch.float64)
+
+
+def _group_metrics(names: list[str], per_group: torch.Tensor) -> dict[str, float]:
+    """``eval_loss/<name>`` where the source has trainable tokens (a source without any has no loss to report, not a
+    loss of 0), ``eval_acc/<name>`` where it has a scored sample; from the reduced tallies."""
+    out: dict[str, float] = {}
+    for name, (loss_sum, tokens, answered, scored) in zip(names, per_group.tolist(), strict=True):
+        if tokens:
+            out[SOURCE_LOSS + name] = loss_sum / tokens
+        if scored:
+            out[SOURCE_ACC + name] = answered / scored
     return out
 
 
@@ -98,10 +143,11 @@ def build_eval_batches(
 
 
 def format_eval(step: int, ev: dict) -> str:
-    """The eval line of the log: loss, teacher-forced accuracy per task, generated accuracy per task."""
+    """The eval line of the log: loss (and per held-out source, where there are several), teacher-forced accuracy per
+    task, generated accuracy per task."""
     line = f"step {step}: eval loss {ev['eval_loss']:.4f}"
-    for prefix, label in (("eval_acc_", "accuracy"), ("eval_gen_acc_", "generated")):
-        accs = [f"{k.removeprefix(prefix)}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith(prefix)]
-        if accs:
-            line += f"; {label} {' '.join(accs)}"
+    for prefix, label in ((SOURCE_LOSS, "per source"), ("eval_acc_", "accuracy"), ("eval_gen_acc_", "generated")):
+        values = [f"{k.removeprefix(prefix)}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith(prefix)]
+        if values:
+            line += f"; {label} {' '.join(values)}"
     return line

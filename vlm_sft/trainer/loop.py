@@ -226,11 +226,13 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
 
 
 def _evaluate(run: Run) -> dict:
-    """Eval of every rank's own share of the held-out packs, whole rows per rank, then the generated replies to the
-    run's held-out prompts (``trainer.generation``), context parallelism off for both."""
+    """Eval of every rank's own share of the held-out packs, whole rows per rank (per held-out source too, with
+    ``[[data.eval_sources]]``), then the generated replies to the run's held-out prompts (``trainer.generation``),
+    context parallelism off for both. The whole result goes to ``metrics.jsonl``."""
     samples: list[dict] = []
     with context_parallel_off(run.model):
-        result = evaluate(run.model, run.eval_batches, env=run.env, sample_tasks=run.sources.eval_tasks)
+        tasks, groups = run.sources.eval_tasks, run.sources.eval_groups
+        result = evaluate(run.model, run.eval_batches, env=run.env, sample_tasks=tasks, sample_groups=groups)
         if run.generation:
             generated, samples = evaluate_generation(
                 run.model, run.generation, run.env, run.processor.tokenizer, step=run.step,

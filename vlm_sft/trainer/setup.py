@@ -34,6 +34,7 @@ from vlm_sft.parallel.mesh import build_mesh
 from vlm_sft.trainer.batches import (
     DataLayout,
     TrainBatches,
+    check_data_settings,
     check_position,
     count_steps,
     dealt_workers,
@@ -133,6 +134,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     if saved is not None:  # a resume that cannot continue exactly is refused before the model is built
         with all_ranks_or_none(env, f"checking {resume_from} against this run"):
             check_position(saved.data, layout)
+            check_data_settings(saved.data, data_build.TrainPipelines(cfg, sources.train, renderer), layout)
     resuming = resume_from is not None
     with all_ranks_or_none(env, "building the model"):
         # Parallelized as it is built (LoRA, checkpointing, CP, FSDP): a checkpoint is read slice by slice into each
