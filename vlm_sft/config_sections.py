@@ -333,6 +333,11 @@ class TrainConfig(_Section):
     (each rank holds num_experts / ep_size of them whole) and send each token to its experts' ranks and back (two
     all-to-alls per MoE layer; no token dropped). Needs an MoE model, num_experts divisible by it, and world_size a
     multiple of it (checked at start); not combined with train.cp_size > 1."""
+    collective_timeout_s: float | None = Field(None, gt=0)
+    """Seconds a rank waits in a collective for its peers before the run stops with a timeout error: a rank that
+    hangs (or dies without closing its connections, on NCCL) stops the run within this bound. A rank that raises
+    stops its peers within about a second whatever this is (``vlm_sft/parallel/failure.py``). None: 600 on the CPU,
+    1800 on GPUs (room for a large checkpoint's save or load between two collectives)."""
     grad_sync: Literal["step", "micro_batch"] = "step"
     """When sharded gradients are reduce-scattered: once per ``step`` (after the last micro-batch: 1/micro_batches
     of the traffic, but each rank holds the whole model's unsharded fp32 gradient during the step, 4 bytes per

@@ -22,18 +22,19 @@ import torch
 import torch.distributed as dist
 
 from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.failure import PeerFailure, doing, mark_agreed
+
+__all__ = [
+    "PeerFailure",
+    "all_ranks_or_none",
+    "all_reduce",
+    "all_reduce_sum",
+    "check_peers",
+    "full_tensor",
+    "gather_objects",
+]
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-class PeerFailure(RuntimeError):
-    """Raised on the ranks that did not fail when another rank did, so that every rank stops at the same point."""
-
-    def __init__(self, what: str, failures: dict[int, str]) -> None:
-        self.what = what
-        self.failures = failures
-        ranks = ", ".join(str(r) for r in sorted(failures))
-        super().__init__(f"stopped: rank {ranks} failed while {what} (its error is printed by that rank)")
 
 
 def _host(value: torch.Tensor, what: str) -> torch.Tensor:
@@ -87,6 +88,7 @@ def check_peers(
             dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
         failures = {r: m for r, m in enumerate(messages) if m is not None} or {env.rank: str(error)}
         if error is not None and env.rank == min(failures):
+            mark_agreed(error)  # every rank knows: the failure board need not tell them
             raise error
         raise PeerFailure(what, failures)
     return None if values is None else total[1:]
@@ -97,7 +99,8 @@ def all_ranks_or_none(env: DistEnv, what: str) -> Iterator[None]:
     """Runs a rank-local section (no collectives inside), then ``check_peers``: all ranks go on, or all stop."""
     error = None
     try:
-        yield
+        with doing(what):
+            yield
     except Exception as exc:  # told to the peers first, then re-raised on this rank by check_peers
         error = exc
     check_peers(env, what, error)

@@ -30,6 +30,7 @@ from vlm_sft.data.batch import PackedBatch
 from vlm_sft.parallel.collectives import all_ranks_or_none
 from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
 from vlm_sft.parallel.env import DistEnv, cleanup, init_distributed
+from vlm_sft.parallel.failure import FailureBoard, restart_count, stop_peers
 from vlm_sft.parallel.mesh import build_mesh
 from vlm_sft.trainer.batches import (
     DataLayout,
@@ -89,19 +90,39 @@ class Run:
         self.vision_timer = ModuleTimer(self.model.model.visual, self.env.device)
 
 
+CPU_COLLECTIVE_TIMEOUT_S = 600.0
+GPU_COLLECTIVE_TIMEOUT_S = 1800.0
+
+
+def collective_timeout_s(train: Any) -> float:
+    """``train.collective_timeout_s``, or its default for the device the run will use."""
+    if train.collective_timeout_s is not None:
+        return float(train.collective_timeout_s)
+    gpu = train.device == "cuda" or (train.device == "auto" and torch.cuda.is_available())
+    return GPU_COLLECTIVE_TIMEOUT_S if gpu else CPU_COLLECTIVE_TIMEOUT_S
+
+
 @contextmanager
 def running(cfg: RunConfig) -> Iterator[Run]:
     """The set-up run of this process (every rank enters this), joined to the job's process group; on the way out,
     also after a failure, the run's tracker runs end and the process leaves the group (after a barrier only when the
     block finished: a failed rank's peers may never reach it)."""
-    env = init_distributed(cfg.train.device)
+    env = init_distributed(cfg.train.device, timeout_s=collective_timeout_s(cfg.train))
+    board = FailureBoard.for_process_group(env.rank, env.world_size, attempt=restart_count())
+    if board is not None:
+        board.start()
     finished = False
     run = None
     try:
         run = setup(cfg, env)
         yield run
         finished = True
+    except BaseException as err:  # tell the peers (unless they know), so none waits in a collective for the timeout
+        stop_peers(board, err)
+        raise
     finally:
+        if board is not None:
+            board.stop()
         if run is not None:
             run.metrics.close()
         cleanup(env, finished=finished)
