@@ -231,3 +231,12 @@ def test_a_resume_with_other_weights_is_refused_before_the_model_naming_the_mixt
     pipelines = data_build.TrainPipelines(changed, data_build.load_sources(changed).train, renderer)
     with pytest.raises(ConfigError, match=r"mixture shapes = 6, text = 3; this config mixes shapes = 6, text = 4"):
         check_data_settings(position, pipelines, layout)
+
+
+def test_a_mixture_config_survives_its_saved_config_json(tmp_path, data_dir):
+    """The run writes ``cfg.to_dict()`` to ``config.json``: its default ``data.source`` beside the tables must read
+    back (a user's explicit ``data.source`` beside them is still refused, tests/test_mixture_example.py)."""
+    from vlm_sft.config import RunConfig
+
+    cfg = _config(tmp_path, data_dir, _table("shapes", 2) + _table(str(data_dir / "text.jsonl"), 1))
+    assert RunConfig.model_validate_json(cfg.model_dump_json()) == cfg

@@ -294,7 +294,8 @@ class DataConfig(_Section):
     def _check_sources(self) -> DataConfig:
         for field, one in (("sources", "source"), ("eval_sources", "eval_source")):
             tables = getattr(self, field)
-            if tables and one in self.model_fields_set:
+            # A value other than the default: the default beside tables is what a saved config.json holds.
+            if tables and getattr(self, one) != type(self).model_fields[one].default:
                 raise ConfigError(
                     f"data.{one} and [[data.{field}]] are both set; keep one: a single {one}, or one "
                     f"[[data.{field}]] table per source"

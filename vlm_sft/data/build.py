@@ -231,14 +231,11 @@ def load_sources(cfg: RunConfig) -> DataSources:
     task_column = held.column("task") if held is not None else None
     tasks = {i: str(t) for i, t in enumerate(task_column or []) if t is not None}
     groups = {i: held.source_of(i)[0] for i in range(len(held))} if isinstance(held, ConcatSource) else {}
-    rows = (
-        "streamed"
-        if isinstance(train, StreamedSource)
-        else str(len(train) if not isinstance(train, MixedSources) else train.rows)
-    )
+    sources = DataSources(train=train, eval=held, eval_tasks=tasks, eval_groups=groups)
+    rows = "streamed" if sources.train_rows is None else str(sources.train_rows)
     where = "a mixture of " + ", ".join(p.name for p in train.parts) if isinstance(train, MixedSources) else d.source
     logger.info("data: %s training rows from %s, %d held-out", rows, where, len(held) if held else 0)
-    return DataSources(train=train, eval=held, eval_tasks=tasks, eval_groups=groups)
+    return sources
 
 
 def _open(
@@ -287,8 +284,10 @@ def _log_mixture(mixture: MixedSources) -> None:
     epoch = mixture.rows
     for p in mixture.parts:
         share = p.weight / total_weight
-        if epoch is None or isinstance(p.source, StreamedSource):
+        if isinstance(p.source, StreamedSource):
             passes = "streamed"
+        elif epoch is None:
+            passes = f"{len(p.source)} rows (a streamed source in the mix: no epochs)"
         else:
             passes = f"{len(p.source)} rows, {share * epoch / len(p.source):.2f} passes per epoch"
         logger.info("data: source %r: weight %g (%.1f%% of the samples), %s", p.name, p.weight, 100 * share, passes)

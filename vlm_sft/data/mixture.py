@@ -5,10 +5,11 @@ and the ``render_fn`` of one stream's ``PackingPipeline``, so the packer sees on
 mix sources; sampling, sharding, packing and resume are the pipeline's, unchanged.
 
 **The draw.** Draw ``q`` of stream ``g`` takes the source ``SourceDraw(weights, seed, g).source_at(q)``. The draws
-are dealt in blocks of ``BLOCK``: each block gives every source its share of the block, rounded so that the running
-count of every source stays within one sample of ``q x weight / sum(weights)`` (largest remainder on the running
-deficit), and a seeded permutation orders the block. The shares are therefore exact over any window of a block or
-more, not just on average, and the draw depends on the seed and the stream only: never on processes or workers.
+are dealt in blocks of ``BLOCK``: each block gives every source its share of the block, rounded so that at every
+block boundary the count of every source is within one sample of ``q x weight / sum(weights)`` (largest remainder
+on the running deficit), and a seeded permutation orders the block, so inside a block the shares wander as a
+random draw's would (a 10% source took 17 of one window of 256 draws). The draw depends on the seed and the stream
+only: never on processes or workers.
 
 **Each source's order.** Source ``s`` is read through its own order for this stream (for a prepared dataset an
 ``IndexOrder`` over stream ``g``'s share of its rows, seeded per source; for a streamed one its ``StreamingRows``
