@@ -10,18 +10,15 @@ change the order, and the comparison sees it.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
 
 import pytest
-import torch
+from batch_helpers import batch_differences, rank0_batches
 from torch.utils.data import get_worker_info
 
 from vlm_sft.config import RunConfig, load_config
 from vlm_sft.data import build as data_build
 from vlm_sft.trainer import batches as batches_module
-from vlm_sft.trainer.batches import DataLayout, TrainBatches
 
 BATCHES = 6
 """Micro-batches compared per run: several turns of every worker and stream."""
@@ -57,29 +54,7 @@ def _config(root, **overrides: object):
 def _batches(cfg, num_workers: int) -> list[dict]:
     """The first ``BATCHES`` micro-batches of rank 0 of one process, as ``trainer.setup.setup`` builds its ``TrainBatches``."""
     processor, renderer, rows = _data_parts(cfg.model_dump_json())
-    layout = DataLayout(0, 1, cfg.train.micro_batches, cfg.data.streams_per_micro_batch)
-    train_batches = TrainBatches(
-        data_build.TrainPipelines(cfg, rows, renderer),
-        layout,
-        pad_id=int(processor.tokenizer.pad_token_id),
-        num_workers=num_workers,
-        prefetch=cfg.data.prefetch_packs,
-    )
-    return [dataclasses.asdict(b) for b in itertools.islice(train_batches, BATCHES)]
-
-
-def _differences(a: list[dict], b: list[dict]) -> list[str]:
-    """Where two batch sequences differ (empty: the same batches in the same order, every field equal)."""
-    if len(a) != len(b):
-        return [f"{len(a)} vs {len(b)} batches"]
-    out = []
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        for name in x:
-            u, v = x[name], y[name]
-            same = torch.equal(u, v) if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) else u == v
-            if not same:
-                out.append(f"batch {i}: {name}")
-    return out
+    return rank0_batches(cfg, processor, renderer, rows, num_workers=num_workers, count=BATCHES)
 
 
 # data.streams_per_micro_batch x train.micro_batches: the default run's one stream (where every worker count comes
@@ -93,14 +68,14 @@ def test_same_batches_in_the_same_order_with_0_1_2_workers(shapes_root, layout):
     reference = _batches(cfg, 0)
     assert len(reference) == BATCHES and len({b["sample_indices"] for b in reference}) == BATCHES
     for workers in (1, 2):
-        assert _differences(_batches(cfg, workers), reference) == [], workers
+        assert batch_differences(_batches(cfg, workers), reference) == [], workers
 
 
 def test_the_check_sees_a_worker_dependent_order_and_the_seed(shapes_root, monkeypatch):
     cfg = _config(shapes_root, **LAYOUTS[1])
     reference = _batches(cfg, 0)
     other_seed = _batches(_config(shapes_root, **LAYOUTS[1], **{"train.seed": 1}), 0)
-    assert _differences(other_seed, reference)  # the seed is part of the data order
+    assert batch_differences(other_seed, reference)  # the seed is part of the data order
 
     def per_worker_shard(self, stream):  # each worker reads its own shard of its streams: the usual recipe
         info = get_worker_info()
@@ -108,5 +83,5 @@ def test_the_check_sees_a_worker_dependent_order_and_the_seed(shapes_root, monke
         return self.make_pipeline(stream * workers + worker, self.layout.num_streams * workers)
 
     monkeypatch.setattr(batches_module._StreamBatches, "_open", per_worker_shard)
-    assert _differences(_batches(cfg, 1), reference) == []  # one worker reads what the training process reads
-    assert _differences(_batches(cfg, 2), reference)  # two: other data
+    assert batch_differences(_batches(cfg, 1), reference) == []  # one worker reads what the training process reads
+    assert batch_differences(_batches(cfg, 2), reference)  # two: other data

@@ -14,8 +14,6 @@ streamed jsonl) mixed 6 / 3 / 1:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import itertools
 import json
 import os
 import random
@@ -27,14 +25,13 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from batch_helpers import batch_differences, rank0_batches
 from torch.utils.data import get_worker_info
 from train_helpers import Background, launch_env, read_metrics, run_training, tiny_run_args, train_command
 
 from vlm_sft.config import DEFAULT_CONFIG, REPO_ROOT, RunConfig, load_config
 from vlm_sft.data import build as data_build
 from vlm_sft.data import mixture as mixture_module
-from vlm_sft.trainer.batches import DataLayout, TrainBatches
 
 SOURCES = {"shapes": 6, "chat": 3, "notes": 1}
 """Source name -> weight, in config order (a source's name is its file's stem, ``shapes`` for the generated set)."""
@@ -249,29 +246,7 @@ def _batches(cfg: RunConfig, num_workers: int) -> list[dict]:
     """The first ``BATCHES`` micro-batches of rank 0 of one process, as ``trainer.setup.setup`` builds them."""
     processor, renderer, sources = _data_parts(cfg)
     assert isinstance(sources, data_build.MixedSources)
-    layout = DataLayout(0, 1, cfg.train.micro_batches, cfg.data.streams_per_micro_batch)
-    train_batches = TrainBatches(
-        data_build.TrainPipelines(cfg, sources, renderer),
-        layout,
-        pad_id=int(processor.tokenizer.pad_token_id),
-        num_workers=num_workers,
-        prefetch=cfg.data.prefetch_packs,
-    )
-    return [dataclasses.asdict(b) for b in itertools.islice(train_batches, BATCHES)]
-
-
-def _differences(a: list[dict], b: list[dict]) -> list[str]:
-    """Where two batch sequences differ (empty: the same batches in the same order, every field equal)."""
-    if len(a) != len(b):
-        return [f"{len(a)} vs {len(b)} batches"]
-    out = []
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        for name in x:
-            u, v = x[name], y[name]
-            same = torch.equal(u, v) if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor) else u == v
-            if not same:
-                out.append(f"batch {i}: {name}")
-    return out
+    return rank0_batches(cfg, processor, renderer, sources, num_workers=num_workers, count=BATCHES)
 
 
 def test_mixture_batches_do_not_depend_on_workers(tmp_path, mixture, monkeypatch):
@@ -280,10 +255,10 @@ def test_mixture_batches_do_not_depend_on_workers(tmp_path, mixture, monkeypatch
     assert len(reference) == BATCHES and len({b["sample_indices"] for b in reference}) == BATCHES
     drawn = {i % len(SOURCES) for b in reference for pack in b["sample_indices"] for i in pack}
     assert drawn == set(range(len(SOURCES)))  # the packs mix all three sources (mixture index: row x S + source)
-    assert _differences(_batches(cfg, 2), reference) == []
+    assert batch_differences(_batches(cfg, 2), reference) == []
 
     # Control: the comparison sees a draw that depends on the seed, or on the worker that makes it.
-    assert _differences(_batches(_data_config(mixture, tmp_path, **{"train.seed": 1}), 0), reference)
+    assert batch_differences(_batches(_data_config(mixture, tmp_path, **{"train.seed": 1}), 0), reference)
     block_seed = mixture_module._block_seed
 
     def per_worker_seed(seed: int, stream: int, block: int) -> int:
@@ -291,5 +266,5 @@ def test_mixture_batches_do_not_depend_on_workers(tmp_path, mixture, monkeypatch
         return block_seed(seed + (info.id if info is not None else 0), stream, block)
 
     monkeypatch.setattr(mixture_module, "_block_seed", per_worker_seed)
-    assert _differences(_batches(cfg, 0), reference) == []  # the training process alone draws as before
-    assert _differences(_batches(cfg, 2), reference)  # worker 1's streams draw other sources
+    assert batch_differences(_batches(cfg, 0), reference) == []  # the training process alone draws as before
+    assert batch_differences(_batches(cfg, 2), reference)  # worker 1's streams draw other sources
