@@ -4,6 +4,10 @@ With no arguments it runs ``configs/debug.toml`` (tiny offline model, shapes dat
 ``torchrun`` and as plain ``python vlm_sft/train.py`` (one process). ``--help`` lists every config field.
 ``--dry-run`` sets everything up as training would, prints the memory per rank (measured and planned) and exits
 before the first optimizer step: run it, with the same launcher and processes, before spending GPU hours.
+
+Long runs on a cluster: SIGTERM or SIGUSR1 to any process saves a checkpoint after the next step on every rank and
+exits with code 143 (a second signal exits at once); ``--train.resume latest`` continues, also as the restart recipe
+``torchrun --max-restarts N ... --train.resume latest`` (``vlm_sft/trainer/preemption.py``).
 """
 
 from __future__ import annotations
@@ -46,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None:
         return 2
     from renderers import TemplateParityError
+    from vlm_sft.checkpoint.state import CheckpointSaveError
     from vlm_sft.data.pipeline import EmptyPassError, SkipFractionError
     from vlm_sft.parallel.collectives import PeerFailure
     from vlm_sft.trainer.dry_run import dry_run
     from vlm_sft.trainer.loop import train
+    from vlm_sft.trainer.preemption import PREEMPTED_EXIT_CODE
     from vlm_sft.trainer.trackers import check_installed
 
     rank = int(os.environ.get("RANK", "0"))  # set by torchrun / accelerate launch
@@ -75,6 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     except (SkipFractionError, EmptyPassError, FileNotFoundError) as err:  # the data, not the code: no traceback
         print(f"data error: {err}", file=sys.stderr)
         return 1
+    except CheckpointSaveError as err:  # a full disk, no permission: the earlier checkpoints are kept
+        print(f"checkpoint error: {err}", file=sys.stderr)
+        return 1
+    if result.stopped is not None:  # a stop signal: every rank exits with the code that says "resume me"
+        if is_main:
+            where = result.stopped.checkpoint or "none: no step trained since the start"
+            print(
+                f"stopped at step {result.stopped.step} on a stop signal; checkpoint: {where}; "
+                f"exit code {PREEMPTED_EXIT_CODE}; --train.resume latest continues the run"
+            )
+        return PREEMPTED_EXIT_CODE
     if not is_main:  # every rank returns the same result; rank 0 reports it
         return 0
     if known.dry_run:  # the report was printed by dry_run(); nothing was trained or saved

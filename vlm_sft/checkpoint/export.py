@@ -53,6 +53,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from processors import save_processor
+from vlm_sft.checkpoint import integrity
 from vlm_sft.checkpoint.hf_dir import (
     FUSED_DOWN,
     FUSED_GATE_UP,
@@ -63,8 +64,9 @@ from vlm_sft.checkpoint.hf_dir import (
     default_architecture,
 )
 from vlm_sft.checkpoint.lora_export import BASE_LAYER, LORA_A, LORA_B, lora_modules, save_adapter
+from vlm_sft.checkpoint.state import CheckpointSaveError
 from vlm_sft.config import LoraSettings, RunConfig
-from vlm_sft.parallel.collectives import all_ranks_or_none, full_tensor
+from vlm_sft.parallel.collectives import PeerFailure, all_ranks_or_none, full_tensor
 from vlm_sft.parallel.env import DistEnv
 
 logger = logging.getLogger(__name__)
@@ -430,7 +432,43 @@ def export_final(
     LoRA runs write the adapter in PEFT's format to ``<directory>/adapter`` and, when ``merge`` (default:
     ``train.merge_lora``), the merged full weights as the HF checkpoint itself; without the merged copy only the
     trainable tensors are gathered. ``source``: the index of the checkpoint the run loaded (dtypes, ``mtp.*``).
+
+    Written into ``<directory>.tmp``, sealed with a ``MANIFEST.json`` of its files (``integrity.write_manifest``;
+    ``python -m vlm_sft.checkpoint.integrity DIR`` checks it), then renamed into place, replacing an earlier export
+    only then: a half-written export never looks complete. A failure removes the ``.tmp`` folder and raises
+    ``CheckpointSaveError`` naming the export (``PeerFailure`` on the ranks that did not fail).
     """
+    directory = Path(directory)
+    if source is not None and directory.resolve() == source.path.resolve():
+        raise ValueError(
+            f"cannot export into {directory}: it is the source checkpoint, which the export would replace; export "
+            "into another directory"
+        )
+    tmp = directory.with_name(directory.name + ".tmp")
+    try:
+        with all_ranks_or_none(env, f"preparing {tmp}"):
+            if env.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+        _write_final(tmp, model, processor, env, cfg, source=source, merge=merge)
+        integrity.write_manifest(tmp, env)
+        with all_ranks_or_none(env, f"moving {tmp} to {directory}"):
+            if env.is_main:
+                integrity.replace_folder(tmp, directory)
+    except BaseException as err:  # any failure, an interrupt too: the partial folder goes first
+        if env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(err, Exception) or isinstance(err, PeerFailure | CheckpointSaveError):
+            raise
+        raise CheckpointSaveError(
+            f"could not write the HF export {directory} (into {tmp}, now removed): {type(err).__name__}: {err}"
+        ) from err
+    return directory
+
+
+def _write_final(
+    directory: Path, model: nn.Module, processor, env: DistEnv, cfg: RunConfig, *, source, merge: bool | None
+) -> None:
+    """``export_final``'s files, written into ``directory`` (its ``.tmp`` folder)."""
     lora = cfg.model.lora
     merge = cfg.train.merge_lora if merge is None else merge
     if lora is not None:
@@ -439,13 +477,12 @@ def export_final(
             if env.is_main:  # the run's chat template (its thinking default) travels with the adapter too
                 save_processor(directory / "adapter", processor, processor.tokenizer)
         if not merge:
-            return directory
+            return
     export_hf(model, directory, env=env, source=source, lora=lora)
     with all_ranks_or_none(env, f"writing the processor into {directory}"):
         if env.is_main:
             save_processor(directory, processor, processor.tokenizer)
             _copy_generation_config(source, directory)
-    return directory
 
 
 def _copy_generation_config(source: CheckpointIndex | None, directory: Path) -> None:

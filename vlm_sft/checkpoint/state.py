@@ -12,8 +12,10 @@ Layout under ``<output_dir>/checkpoints``::
         rng-rank00000.safetensors per rank: torch (and CUDA) RNG states as tensors, numpy's and python's in the
                                   safetensors metadata (JSON)
         hf/                       the same weights as an HF directory with processor and tokenizer (when the trainer
-                                  asks; LoRA runs: hf/adapter/ only, the merged copy is written to final/)
-        COMPLETE
+                                  asks; LoRA runs: hf/adapter/ only, the merged copy is written to final/), with its
+                                  own MANIFEST.json (``export.export_final``)
+        MANIFEST.json             every file above with its size and digest (``checkpoint.integrity``)
+        COMPLETE                  written last: the step, the world size and the manifest's own digest
     step-000200.tmp/              a save in progress, or one killed mid-write: never loaded, removed by the next save
 
 No pickle is ever read: JSON and safetensors hold plain values and tensors, the DCP state holds tensors only (DCP
@@ -28,6 +30,14 @@ dropout does).
 A save writes into ``step-N.tmp`` and is renamed into place by rank 0 only after every rank finished, so a run
 killed mid-save resumes from the previous complete checkpoint. Only the last ``keep_last`` complete ones are kept.
 Multi-node runs need ``output_dir`` on a filesystem every node sees.
+
+**Damage** after the save (a file truncated or deleted, other bytes in it) is found before a resume reads anything
+(``checkpoint.resume``: ``latest`` falls back to the newest intact checkpoint, a damaged one named by path is refused
+naming the file).
+
+**A failed save** (a full disk, no permission: on any rank, in any file) removes its ``step-N.tmp``, touches no earlier
+checkpoint and stops every rank: the failing rank raises ``CheckpointSaveError`` naming the checkpoint, the folder and
+the error, the others ``PeerFailure`` (``parallel.collectives``).
 """
 
 from __future__ import annotations
@@ -48,14 +58,23 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from torch import nn
 
-from vlm_sft.parallel.collectives import all_ranks_or_none
+from vlm_sft.checkpoint import integrity
+from vlm_sft.checkpoint.resume import (  # noqa: F401 (resolve_resume, verify_checkpoint: the trainer imports them here)
+    COMPLETE_MARKER,
+    checkpoints_dir,
+    complete_checkpoints,
+    marker_text,
+    resolve_resume,
+    verify_checkpoint,
+)
+from vlm_sft.parallel.collectives import PeerFailure, all_ranks_or_none
 from vlm_sft.parallel.dcp import check_metadata, load_tensors, save_tensors, set_sharded_state, sharded_state
 from vlm_sft.parallel.env import DistEnv
 
 logger = logging.getLogger(__name__)
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-COMPLETE_MARKER = "COMPLETE"
+_RANK_FILE = re.compile(r"^(?:__(\d+)_\d+\.distcp|data-rank(\d+)\.json|rng-rank(\d+)\.safetensors)$")
+"""The files one rank writes (DCP names its shards ``__<rank>_<n>.distcp``); any other file is rank 0's."""
 TRAINER_STATE = "trainer_state.json"
 STATE_FORMAT = 1
 """Version of ``trainer_state.json``; another one is refused with the reason."""
@@ -151,39 +170,6 @@ def merge_positions(parts: Iterable[Mapping]) -> dict:
     return {**first, "streams": streams} if "streams" in first else dict(first)
 
 
-def checkpoints_dir(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = checkpoints_dir(output_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and (p / COMPLETE_MARKER).is_file():
-            found.append((int(m.group(1)), p))
-    return [p for _, p in sorted(found)]
-
-
-def resolve_resume(resume: str | None, output_dir: str | Path) -> Path | None:
-    """``latest`` -> the newest complete checkpoint (None when there is none yet); a path must be complete."""
-    if resume is None:
-        return None
-    if resume == "latest":
-        found = complete_checkpoints(output_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if not (path / COMPLETE_MARKER).is_file():
-        raise FileNotFoundError(
-            f"train.resume = {resume!r} is not a complete checkpoint (no {COMPLETE_MARKER} marker); "
-            f"use 'latest' or one of {[str(p) for p in complete_checkpoints(output_dir)]}"
-        )
-    return path
-
-
 # ------------------------------------------------------------------------------------------- tensors only
 
 
@@ -205,6 +191,11 @@ def _tensors_only(tree: dict, where: str) -> None:
 # --------------------------------------------------------------------------------------------------- save
 
 
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, no permission, ...): its ``.tmp`` folder was removed, every
+    earlier checkpoint is kept, and every rank stops (the others with ``PeerFailure``)."""
+
+
 def save_checkpoint(
     output_dir: str | Path,
     *,
@@ -222,11 +213,43 @@ def save_checkpoint(
     not written, since the run rebuilds it from ``model.name_or_path`` (a 9B base would be 18 GB per checkpoint).
 
     ``write_extra(tmp_dir)`` runs on every rank before the checkpoint is marked complete (the trainer writes the HF
-    export there), so the extra files appear and disappear together with the checkpoint.
+    export there), so the extra files appear and disappear together with the checkpoint, and the manifest covers them.
+
+    A failure anywhere (any rank, any file, DCP's shards included) removes ``step-N.tmp`` and raises
+    ``CheckpointSaveError`` on the failing rank, ``PeerFailure`` on the others; no earlier checkpoint is touched.
     """
     root = checkpoints_dir(output_dir)
     final = root / f"step-{state.step:06d}"
     tmp = root / f"step-{state.step:06d}.tmp"
+    try:
+        _write_checkpoint(tmp, final, model, optimizer, state, env, write_extra, trainable_only)
+    except BaseException as err:  # every failure, DCP's CheckpointException (a BaseException) too: cleaned, re-raised
+        _discard(tmp, env)
+        stop = _save_error(err, state.step, tmp, output_dir, env)
+        if stop is err:
+            raise
+        raise stop from err
+    with all_ranks_or_none(env, f"removing checkpoints older than the last {keep_last}"):
+        if env.is_main:
+            for old in complete_checkpoints(output_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+            for stale in root.glob("step-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _write_checkpoint(
+    tmp: Path,
+    final: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    env: DistEnv,
+    write_extra: Callable[[Path], None] | None,
+    trainable_only: bool,
+) -> None:
+    """Every file into ``tmp``, the manifest (each rank hashes what it wrote), the marker, the rename to ``final``."""
     with all_ranks_or_none(env, f"preparing {tmp}"):
         if env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -246,18 +269,59 @@ def save_checkpoint(
             _write_json(tmp / TRAINER_STATE, main)
     if write_extra is not None:
         write_extra(tmp)
+    digest = integrity.write_manifest(tmp, env, writer=_writer_rank, exclude=[COMPLETE_MARKER])
     with all_ranks_or_none(env, f"completing the checkpoint {final}"):
         if env.is_main:
-            (tmp / COMPLETE_MARKER).write_text(f"step {state.step}, world size {env.world_size}\n")
+            (tmp / COMPLETE_MARKER).write_text(marker_text(state.step, env.world_size, digest), encoding="utf-8")
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
-            for old in complete_checkpoints(output_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-            for stale in root.glob("step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            logger.info("saved checkpoint %s", final)
-    return final
+
+
+def _writer_rank(relative: str) -> int:
+    """The rank that wrote a checkpoint file (``_RANK_FILE``; everything else is rank 0's)."""
+    m = _RANK_FILE.match(relative)
+    return int(next(g for g in m.groups() if g is not None)) if m else 0
+
+
+def _discard(tmp: Path, env: DistEnv) -> None:
+    """Rank 0 removes a failed save's folder (every rank stopped at the same agreement, none writes into it)."""
+    if env.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists():
+            logger.warning("could not remove the failed save's folder %s; the next save removes it", tmp)
+
+
+def _save_error(err: BaseException, step: int, tmp: Path, output_dir: str | Path, env: DistEnv) -> BaseException:
+    """What a failed save raises on this rank: the failing rank a ``CheckpointSaveError`` naming the folder and the
+    cause, the others ``PeerFailure``; an interrupt or a peer's failure unchanged."""
+    failures = _dcp_failures(err)
+    if isinstance(err, PeerFailure) or not (failures or isinstance(err, Exception)):
+        return err
+    if failures:
+        reasons = {r: _reason(e[0]) for r, e in failures.items()}
+        if env.rank != min(reasons):
+            return PeerFailure(f"writing the checkpoint shards into {tmp}", reasons)
+        reason = reasons[min(reasons)]
+    else:
+        reason = str(err) if isinstance(err, CheckpointSaveError) else _reason(err)  # the HF export's, inside
+    kept = [p.name for p in complete_checkpoints(output_dir)]
+    return CheckpointSaveError(
+        f"could not save the checkpoint of step {step} into {tmp}: {reason}. Removed {tmp.name}; the earlier "
+        f"checkpoints are kept ({', '.join(kept) or 'none yet'}). Free space (or fix the permissions) under "
+        f"{tmp.parent}, then resume with --train.resume latest"
+    )
+
+
+def _dcp_failures(err: BaseException) -> dict:
+    """DCP's ``CheckpointException`` (a BaseException every rank gets, which ``checkpoint`` may not import: it is
+    ``torch.distributed``'s) carries ``failures``: {rank: (exception, traceback)}."""
+    failures = getattr(err, "failures", None)
+    return failures if type(err).__name__ == "CheckpointException" and isinstance(failures, dict) else {}
+
+
+def _reason(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
 
 
 def _write_json(path: Path, value: Any) -> None:
@@ -318,7 +382,8 @@ def load_checkpoint(
     state; every rank must call this. Every parameter (or, ``trainable_only``, every trainable one) and its
     optimizer state is overwritten from DCP, so the model may come in uninitialized (``to_empty``); its
     non-persistent buffers are not in a checkpoint and must be set by whoever built it. ``trainable_only`` must match
-    the save's: a LoRA run restores its adapters onto the rebuilt frozen base."""
+    the save's: a LoRA run restores its adapters onto the rebuilt frozen base. The files are read as they are: the
+    trainer checks them against the manifest first (``resolve_resume``), so each byte is hashed once per resume."""
     path = Path(path)
     state, saved_groups = _read(path, env)
     with all_ranks_or_none(env, f"reading the DCP metadata of {path}"):

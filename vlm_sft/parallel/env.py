@@ -9,6 +9,18 @@ runs on CPU (gloo) and CUDA (NCCL). accelerate's own FSDP plugin does not shard 
 cpu"), so on CUDA the process group is created as ``cpu:gloo,cuda:nccl``: FSDP's parameter and gradient collectives
 and context parallelism's all-to-alls run on the GPU through NCCL, and the trainer's own small ones
 (``parallel.collectives``) through gloo.
+
+**Elastic restarts** (``torchrun --max-restarts N``, ``accelerate launch --max_restarts N``): the elastic agent hosts
+the job's TCP store and keeps it across restarts. Through torch's default ``env://`` join, a restarted worker that
+reaches the store before its peer reads the peer's address from the dead attempt and dials it until it gives up
+("connectFullMesh failed ... Connection refused") or until the group's timeout (10 minutes in
+``_new_process_group_helper``; measured-facts.md): the restart joined only when both workers arrived at the same
+moment. Under the agent's store every attempt therefore joins under its own key prefix,
+``vlm_sft/attempt<TORCHELASTIC_RESTART_COUNT>`` (``join_store``). It is used on the first attempt too, so every
+torchrun and accelerate run takes the path a restart takes, not only runs after a failure. One node only: on several
+nodes the agents can count restarts differently (a healthy node restarts its workers for a peer's failure without
+counting it), so multi-node jobs set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which gives each attempt a fresh store
+(and takes the default path here).
 """
 
 from __future__ import annotations
@@ -71,6 +83,31 @@ def process_group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "cpu:gloo"
 
 
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+"""Set by torchelastic (torchrun, accelerate's multi-process launch) in every worker: the restarts so far."""
+ATTEMPT_PREFIX = "vlm_sft/attempt{}"
+"""Key prefix of one elastic attempt in the agent's store (module docstring)."""
+
+
+def elastic_restart() -> int | None:
+    """How many times the elastic agent restarted this job's workers (0 on the first attempt); None when the process
+    was not started by an elastic agent (``python``, a scheduler's own launcher, ``accelerate launch`` of one
+    process)."""
+    count = os.environ.get(RESTART_COUNT)
+    return None if count is None else int(count)
+
+
+def join_store(world_size: int, timeout: timedelta) -> dist.Store | None:
+    """The store this attempt joins the process group through: under an elastic agent that shares its store, the
+    agent's store under this attempt's prefix; otherwise None (torch's default ``env://`` join)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    return dist.PrefixStore(ATTEMPT_PREFIX.format(elastic_restart() or 0), agent)
+
+
 def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     """Join the process group the launcher described in the environment (or stay single-process on CPU).
 
@@ -86,11 +123,18 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 600.0) 
         torch.cuda.set_device(device)
     if env.sharded and not dist.is_initialized():
         backend = process_group_backend(device)
-        kwargs: dict = {"timeout": timedelta(seconds=timeout_s)}
+        timeout = timedelta(seconds=timeout_s)
+        kwargs: dict = {"timeout": timeout}
         if world_size == 1 and "MASTER_ADDR" not in os.environ:
             kwargs |= {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+        elif (store := join_store(world_size, timeout)) is not None:
+            kwargs |= {"store": store, "rank": rank, "world_size": world_size}
         dist.init_process_group(backend=backend, **kwargs)
-        logger.info("rank %d/%d joined the process group (%s) on %s", rank, world_size, backend, device)
+        restart = elastic_restart()
+        logger.info(
+            "rank %d/%d joined the process group (%s) on %s%s", rank, world_size, backend, device,
+            f" (elastic attempt {restart})" if restart else "",
+        )  # fmt: skip
     return env
 
 

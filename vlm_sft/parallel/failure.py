@@ -153,12 +153,6 @@ def stop_peers(board: FailureBoard | None, error: BaseException) -> None:
     board.post(error)
 
 
-def restart_count() -> int:
-    """Which attempt of an elastic job this is (``TORCHELASTIC_RESTART_COUNT``; 0 outside torchrun's agent): each
-    attempt posts on its own board, never reading a failure of the attempt before it."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-
-
 def _stop_process(rank: int, failed: int, message: str) -> None:
     """End this process because rank ``failed`` failed (rank 0 says so); flushes what Python buffers first."""
     if rank == 0:

@@ -48,6 +48,7 @@ from vlm_sft.data.collate import collate
 from vlm_sft.data.pipeline import EmptyPassError, PackingPipeline, settings_change
 from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce
 from vlm_sft.parallel.env import DistEnv
+from vlm_sft.trainer.preemption import data_worker_init
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +296,7 @@ class TrainBatches:
         else:
             loader = DataLoader(
                 dataset, batch_size=None, num_workers=workers, prefetch_factor=prefetch, pin_memory=pin_memory,
-                persistent_workers=False,
+                persistent_workers=False, worker_init_fn=data_worker_init,  # survives a scheduler's stop signal
             )  # fmt: skip
             self._iter = iter(loader)
 

@@ -14,11 +14,17 @@ scale under FSDP2's average over every rank (the model needs no extra reduction 
 Collectives follow the rules in ``parallel.collectives``: the step's one control-plane all-reduce (failure flag, end of
 data, token counts) runs on host tensors before the first forward, and every rank-local section (loading data,
 files written on rank 0, the packing self-check) is followed by an agreement, so one rank's failure stops all ranks.
+
+A stop signal (SIGTERM, SIGUSR1; ``trainer.preemption``) on any rank rides on that same all-reduce: every rank trains
+the step it was agreed at, saves it as a periodic checkpoint and returns ``RunResult.stopped`` (the CLI exits with
+``PREEMPTED_EXIT_CODE``). A resumed run writes where it resumed into ``metrics.jsonl`` (``{"event": "resumed"}``, with
+the elastic agent's restart count under torchrun / accelerate), after the records it kept.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,11 +36,13 @@ from vlm_sft.checkpoint.state import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.config import RunConfig
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum
+from vlm_sft.parallel.env import elastic_restart
 from vlm_sft.parallel.fsdp import clip_grad_norm_, set_gradient_sync
 from vlm_sft.parallel.parallelize import context_parallel_off, finish_gradients
 from vlm_sft.trainer.evaluate import evaluate, format_eval
 from vlm_sft.trainer.generation import evaluate_generation
 from vlm_sft.trainer.metrics import peak_memory_mb, step_breakdown
+from vlm_sft.trainer.preemption import PREEMPTED_EXIT_CODE, Stopped, StopRequest, stop_signals
 from vlm_sft.trainer.router_balance import StepRouting, routing_metrics
 from vlm_sft.trainer.setup import Run, running
 from vlm_sft.trainer.step_batches import StepBatches, next_step_batches
@@ -49,7 +57,7 @@ class RunResult:
     steps: int
     """Optimizer steps completed."""
     final_dir: Path | None
-    """The HF checkpoint directory written at the end."""
+    """The HF checkpoint directory written at the end (None when the run was stopped early)."""
     last_eval: dict
     """The last eval metrics (empty when the run had no eval data)."""
     wall_time_s: float
@@ -58,6 +66,9 @@ class RunResult:
     """Non-padding tokens processed per second of training steps (all ranks)."""
     data: dict
     """Sample accounting at the end (all ranks): seen, packed, skipped by reason, buffered, passes."""
+    stopped: Stopped | None = None
+    """Set when a stop signal ended the run (``trainer.preemption``): it saved a checkpoint and skipped the final eval
+    and export; None: it ran to its end."""
 
 
 @dataclass(frozen=True)
@@ -76,44 +87,57 @@ class StepStats:
 
 
 def train(cfg: RunConfig) -> RunResult:
-    """Run the configured job to its end; every rank calls this. The process group is left at exit. (The dry run,
-    which stops before the first step, is ``trainer.dry_run.dry_run``.)"""
+    """Run the configured job to its end, or until a stop signal (``RunResult.stopped``); every rank calls this. The
+    process group is left at exit. (The dry run, which stops before the first step, is ``trainer.dry_run.dry_run``.)
+
+    The stop signals' handlers are installed before the set-up: a signal during the set-up stops the run at the first
+    step boundary, with nothing to save."""
     t_start = time.perf_counter()
-    with running(cfg) as run:
-        last_eval, train_time, real_tokens = run_steps(run)
-        data = run.accounting.report(run.step, "end of the run")
-        final_dir = export_final(
-            run.out_dir / "final", run.model, run.processor, run.env, cfg, source=run.weights_source
-        )
+    with stop_signals(rank=int(os.environ.get("RANK", "0"))) as stop, running(cfg) as run:
+        last_eval, train_time, real_tokens, stopped = run_steps(run, stop)
+        final_dir, data = None, {}
+        if stopped is None or stopped.checkpoint is not None:
+            data = run.accounting.report(run.step, "end of the run" if stopped is None else "stopped").to_dict()
+        if stopped is None:
+            final_dir = export_final(
+                run.out_dir / "final", run.model, run.processor, run.env, cfg, source=run.weights_source
+            )
     env = run.env
     wall = time.perf_counter() - t_start
     tok_s = real_tokens / max(train_time, 1e-9)
-    if env.is_main:
+    if env.is_main and stopped is None:
         logger.info(
             "done: %d steps in %.1f s (%.0f real tokens/s); final checkpoint %s", run.step, wall, tok_s, final_dir
         )
-    return RunResult(run.step, final_dir, last_eval, wall, tok_s, data.to_dict())
+    return RunResult(run.step, final_dir, last_eval, wall, tok_s, data, stopped)
 
 
 # ------------------------------------------------------------------------------------------------ the steps
 
 
-def run_steps(run: Run) -> tuple[dict, float, int]:
-    """Steps until ``total_steps`` (or the data ends), with logging, evals and checkpoints; (last eval, train
-    seconds, real tokens)."""
+def run_steps(run: Run, stop: StopRequest | None = None) -> tuple[dict, float, int, Stopped | None]:
+    """Steps until ``total_steps`` (or the data ends, or a rank is asked to ``stop``), with logging, evals and
+    checkpoints; (last eval, train seconds, real tokens, how the run stopped early or None)."""
     cfg, env = run.cfg, run.env
     has_eval = run.sources.eval is not None  # the same on every rank, even one whose share of eval packs is empty
     last_eval: dict = {}
     train_time, real_total = 0.0, 0
     window = _new_window()
     peak = peak_flops(env.device, run.compute_dtype)
+    if run.resumed_from is not None:
+        _log_resume(run)
+    start_step, stopped = run.step, None
     while run.step < run.total_steps:
         run.timer.reset()
         run.vision_timer.take()  # drop anything an eval forward left behind
         step_batches = next_step_batches(
-            run.train_batches, cfg.train.micro_batches, env, run.model, run.accounting, run.cp
-        )
+            run.train_batches, cfg.train.micro_batches, env, run.model, run.accounting, run.cp,
+            stop=stop is not None and stop.requested,
+        )  # fmt: skip
         if step_batches is None:
+            break
+        if step_batches.stop_requests and run.step == start_step:  # no step trained yet: nothing new to save
+            stopped = _stopped(run, step_batches.stop_requests, None)
             break
         stats = train_step(run, step_batches)
         run.step += 1
@@ -130,14 +154,18 @@ def run_steps(run: Run) -> tuple[dict, float, int]:
         else:
             run.metrics.advance(1)
         last = run.step == run.total_steps
-        if has_eval and cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and not last:
+        stopping = step_batches.stop_requests > 0  # the same on every rank: the sum of the step's all-reduce
+        if has_eval and cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and not last and not stopping:
             last_eval = _evaluate(run)
+        if stopping:  # one save, also at a periodic save's step or the last step (a resume then evals and exports)
+            stopped = _stopped(run, step_batches.stop_requests, _save(run))
+            break
         if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not last:
             _save(run)
-    if has_eval:
+    if has_eval and stopped is None:
         last_eval = _evaluate(run)
     run.metrics.close()
-    return last_eval, train_time, real_total
+    return last_eval, train_time, real_total, stopped
 
 
 def _new_window() -> dict[str, float]:
@@ -247,7 +275,7 @@ def _evaluate(run: Run) -> dict:
     return result
 
 
-def _save(run: Run) -> None:
+def _save(run: Run) -> Path:
     """A resumable checkpoint with an HF export of the same weights inside it (``checkpoints/step-N/hf``; for LoRA
     runs the adapter only: the merged full weights are written once, to ``final/``)."""
     state = TrainerState(
@@ -260,7 +288,7 @@ def _save(run: Run) -> None:
             "trackers": run.metrics.tracker_state(),  # rank 0's (the rank that writes this): what a resume continues
         },
     )
-    save_checkpoint(
+    return save_checkpoint(
         run.out_dir,
         model=run.model,
         optimizer=run.optimizer,
@@ -272,3 +300,35 @@ def _save(run: Run) -> None:
         ),
         trainable_only=run.cfg.model.lora is not None,
     )
+
+
+# ------------------------------------------------------------------------------------------- stop and resume
+
+
+def _stopped(run: Run, requests: int, checkpoint: Path | None) -> Stopped:
+    """Log the stop (``metrics.jsonl`` and rank 0's log); every rank calls this at the same step."""
+    record = {"step": run.step, "event": "preempted", "signalled_ranks": requests}
+    record["checkpoint"] = None if checkpoint is None else str(checkpoint)
+    with all_ranks_or_none(run.env, "writing the stop to the metrics"):
+        run.metrics.log(record)
+    if run.env.is_main:
+        saved = f"saved {checkpoint}" if checkpoint else "no step trained since the start, nothing new to save"
+        logger.warning(
+            "stopped at step %d on a stop signal (%d of %d rank(s) got one): %s; exiting with code %d; "
+            "--train.resume latest continues the run",
+            run.step, requests, run.env.world_size, saved, PREEMPTED_EXIT_CODE,
+        )  # fmt: skip
+    return Stopped(run.step, requests, checkpoint)
+
+
+def _log_resume(run: Run) -> None:
+    """Where this run resumed, as a ``metrics.jsonl`` record (with the elastic agent's restart count when there is
+    one), so that a restarted job's file says where each attempt took over."""
+    record: dict = {"step": run.step, "event": "resumed", "from": str(run.resumed_from)}
+    restart = elastic_restart()
+    if restart is not None:
+        record["restart"] = restart
+    with all_ranks_or_none(run.env, "writing the resume to the metrics"):
+        run.metrics.log(record)
+    if run.env.is_main and restart:
+        logger.info("elastic restart %d: continuing from %s at step %d", restart, run.resumed_from, run.step)

@@ -29,8 +29,8 @@ from vlm_sft.data import build as data_build
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.parallel.collectives import all_ranks_or_none
 from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
-from vlm_sft.parallel.env import DistEnv, cleanup, init_distributed
-from vlm_sft.parallel.failure import FailureBoard, restart_count, stop_peers
+from vlm_sft.parallel.env import DistEnv, cleanup, elastic_restart, init_distributed
+from vlm_sft.parallel.failure import FailureBoard, stop_peers
 from vlm_sft.parallel.mesh import build_mesh
 from vlm_sft.trainer.batches import (
     DataLayout,
@@ -81,6 +81,8 @@ class Run:
     dtype and copies its ``mtp.*`` head back."""
     generation: list[GenerationPrompt] = field(default_factory=list)
     """Held-out prompts every eval answers by generation (``train.eval_generate``; the same on every rank)."""
+    resumed_from: Path | None = None
+    """The checkpoint the run resumed from (None: a fresh start)."""
     timer: StepTimer = field(init=False)
     vision_timer: ModuleTimer = field(init=False)
 
@@ -108,7 +110,7 @@ def running(cfg: RunConfig) -> Iterator[Run]:
     also after a failure, the run's tracker runs end and the process leaves the group (after a barrier only when the
     block finished: a failed rank's peers may never reach it)."""
     env = init_distributed(cfg.train.device, timeout_s=collective_timeout_s(cfg.train))
-    board = FailureBoard.for_process_group(env.rank, env.world_size, attempt=restart_count())
+    board = FailureBoard.for_process_group(env.rank, env.world_size, attempt=elastic_restart() or 0)
     if board is not None:
         board.start()
     finished = False
@@ -138,8 +140,9 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         sources = data_build.load_sources(cfg)
         # Refuse to train on tokens the checkpoint's template would not give, or that its server would not prompt.
         data_build.check_served_template(cfg, processor, renderer, sources.train, warn=env.is_main)
-    with all_ranks_or_none(env, "finding the checkpoint to resume from"):
-        resume_from = resolve_resume(cfg.train.resume, out_dir)
+    # Checked against its manifest before anything of it is read: a collective (every rank hashes its share of the
+    # files), with its own agreements inside; `latest` falls back to the newest intact checkpoint.
+    resume_from = resolve_resume(cfg.train.resume, out_dir, env=env)
     mesh = build_mesh(
         env, cp_size=cfg.train.cp_size, ep_size=cfg.train.ep_size
     )  # a collective: every rank, outside the agreements
@@ -204,6 +207,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
         metrics, total_steps, step, compute_dtype, balance, mesh.cp, build.weights_source(cfg), generation,
+        resumed_from=resume_from,
     )  # fmt: skip
 
 

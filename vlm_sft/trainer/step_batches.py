@@ -1,10 +1,10 @@
 """The micro-batches of one optimizer step and the counts every rank needs before its first forward.
 
 One all-reduce per step carries, from every rank: whether loading failed, whether the data ended, the token counts
-(trainable tokens first: the loss normalizer must be known before any backward), the images and FLOPs, and the data
-accounting. Under context parallelism the ranks of a CP group hold the same rows but train on disjoint token shards,
-so each counts the tokens of its own shard (every token is counted once over the world) and a 1/cp share of the
-images and FLOPs.
+(trainable tokens first: the loss normalizer must be known before any backward), the images and FLOPs, whether the
+rank was asked to stop (``trainer.preemption``), and the data accounting. Under context parallelism the ranks of a CP
+group hold the same rows but train on disjoint token shards, so each counts the tokens of its own shard (every token
+is counted once over the world) and a 1/cp share of the images and FLOPs.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ class StepBatches:
     flops: float
     data: list[float] = field(default_factory=list)
     """The data accounting's values summed over ranks (``RunAccounting.local_values``), when one was passed."""
+    stop_requests: int = 0
+    """Ranks that had been asked to stop (a stop signal, ``trainer.preemption``) when the step's all-reduce ran: more
+    than 0 on one rank means more than 0 on every rank."""
 
 
 def next_step_batches(
@@ -43,9 +46,10 @@ def next_step_batches(
     model: torch.nn.Module,
     accounting: RunAccounting | None = None,
     cp: ContextParallel = NO_CP,
+    stop: bool = False,
 ) -> StepBatches | None:
     """``n`` micro-batches and the global counts (module docstring), or None on every rank as soon as one rank ran
-    out of data."""
+    out of data. ``stop``: this rank was asked to stop (summed into ``StepBatches.stop_requests``)."""
     out: list[PackedBatch] = []
     error = None
     try:
@@ -64,6 +68,7 @@ def next_step_batches(
             *(sum(c[i] for c in counts) for i in range(3)),
             sum(b.num_images for b in out) / cp.size,
             flops / cp.size,
+            float(stop),
             *data,
         ],
         dtype=torch.float64,
@@ -72,7 +77,8 @@ def next_step_batches(
     if float(totals[0]) > 0:
         return None
     trainable, real, capacity, images = (round(v) for v in totals[1:5].tolist())
-    return StepBatches(out, trainable, real, capacity, images, float(totals[5]), totals[6:].tolist())
+    stop_requests = round(float(totals[6]))
+    return StepBatches(out, trainable, real, capacity, images, float(totals[5]), totals[7:].tolist(), stop_requests)
 
 
 def shard_counts(batch: PackedBatch, cp: ContextParallel) -> tuple[int, int, int]:
