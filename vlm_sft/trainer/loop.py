@@ -37,6 +37,7 @@ from vlm_sft.config import RunConfig
 from vlm_sft.flops import mfu, peak_flops
 from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum
 from vlm_sft.parallel.env import elastic_restart
+from vlm_sft.parallel.failure import doing, set_phase
 from vlm_sft.parallel.fsdp import clip_grad_norm_, set_gradient_sync
 from vlm_sft.parallel.parallelize import context_parallel_off, finish_gradients
 from vlm_sft.trainer.evaluate import evaluate, format_eval
@@ -99,9 +100,10 @@ def train(cfg: RunConfig) -> RunResult:
         if stopped is None or stopped.checkpoint is not None:
             data = run.accounting.report(run.step, "end of the run" if stopped is None else "stopped").to_dict()
         if stopped is None:
-            final_dir = export_final(
-                run.out_dir / "final", run.model, run.processor, run.env, cfg, source=run.weights_source
-            )
+            with doing("exporting the final checkpoint"):
+                final_dir = export_final(
+                    run.out_dir / "final", run.model, run.processor, run.env, cfg, source=run.weights_source
+                )
     env = run.env
     wall = time.perf_counter() - t_start
     tok_s = real_tokens / max(train_time, 1e-9)
@@ -128,6 +130,7 @@ def run_steps(run: Run, stop: StopRequest | None = None) -> tuple[dict, float, i
         _log_resume(run)
     start_step, stopped = run.step, None
     while run.step < run.total_steps:
+        set_phase(f"training step {run.step + 1}")  # named to the peers if this rank fails (parallel.failure)
         run.timer.reset()
         run.vision_timer.take()  # drop anything an eval forward left behind
         step_batches = next_step_batches(
@@ -258,7 +261,7 @@ def _evaluate(run: Run) -> dict:
     ``[[data.eval_sources]]``), then the generated replies to the run's held-out prompts (``trainer.generation``),
     context parallelism off for both. The whole result goes to ``metrics.jsonl``."""
     samples: list[dict] = []
-    with context_parallel_off(run.model):
+    with context_parallel_off(run.model), doing(f"evaluating at step {run.step}"):
         tasks, groups = run.sources.eval_tasks, run.sources.eval_groups
         result = evaluate(run.model, run.eval_batches, env=run.env, sample_tasks=tasks, sample_groups=groups)
         if run.generation:
@@ -278,6 +281,7 @@ def _evaluate(run: Run) -> dict:
 def _save(run: Run) -> Path:
     """A resumable checkpoint with an HF export of the same weights inside it (``checkpoints/step-N/hf``; for LoRA
     runs the adapter only: the merged full weights are written once, to ``final/``)."""
+    set_phase(f"saving the checkpoint of step {run.step}")
     state = TrainerState(
         step=run.step,
         scheduler=run.scheduler.state_dict(),
