@@ -109,6 +109,25 @@ COMMANDS: dict[str, Run | Covered] = {
         "train"
     ),
     "python -m vlm_sft.report --config configs/qwen3_5_0_8b.toml --data.source data/train.jsonl": Run("report"),
+    (
+        "srun torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "
+        "600 vlm_sft/train.py --config configs/qwen3_5_0_8b.toml --train.resume latest --train.save_every 200"
+    ): Covered(
+        "Slurm only (no Slurm here); tests/test_preemption.py runs what it relies on: the stop signal's save on one "
+        "process and on one rank of two, and torchrun's restart resuming from the latest checkpoint",
+        ("tests/test_preemption.py", "def test_sigterm_to_one_rank_stops_both_at_the_same_step"),
+    ),
+    (
+        "torchrun --standalone --nproc_per_node 2 --max-restarts 3 vlm_sft/train.py --config configs/debug.toml "
+        "--train.resume latest --train.save_every 100"
+    ): Covered(
+        "tests/test_preemption.py kills one worker of this recipe (tiny) after a checkpoint and checks the restart",
+        ("tests/test_preemption.py", "def test_torchrun_restart_resumes_from_the_latest_checkpoint"),
+    ),
+    (
+        "accelerate launch --multi_gpu --num_processes 2 --max_restarts 3 vlm_sft/train.py --config configs/debug.toml "
+        "--train.resume latest --train.save_every 100"
+    ): Run("train", procs=2),
     "python -m vlm_sft.data.mixture_example": Covered(
         "tests/test_mixture_example.py runs the CLI's main (into a temporary folder) and loads what it writes",
         ("tests/test_mixture_example.py", "assert main(argv) == 0"),
