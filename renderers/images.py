@@ -84,8 +84,10 @@ def read_image_source(source: Any, key: str = "image") -> RawImage:
         return RawImage(bytes(source), None, "<bytes>")
     if isinstance(source, dict):
         data, path = source.get("bytes"), source.get("path")
-        if data is not None:
+        if isinstance(data, bytes | bytearray | memoryview):
             return RawImage(bytes(data), None, str(path or "<bytes>"))
+        if data is not None:  # JSON gives text or numbers here, never bytes (bytes(10**10) would allocate 10 GB)
+            raise RenderError("bad_image_source", f"image dict whose 'bytes' is a {type(data).__name__}, not bytes")
         if path:
             return read_image_source(str(path), "path")
         raise RenderError("bad_image_source", f"image dict without bytes or path: {sorted(source)}")

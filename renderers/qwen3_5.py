@@ -81,6 +81,8 @@ _MARK_OPEN = "\ufdd0"
 """Noncharacters (never valid in interchanged text) that bracket an escaped special string through the template."""
 _MARK_CLOSE = "\ufdd1"
 _MARK_RE = re.compile(f"[{_MARK_OPEN}{_MARK_CLOSE}]")
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+"""A lone UTF-16 surrogate: valid in a Python str read from JSON, refused by every tokenizer."""
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _JINJA_COMMENT_RE = re.compile(r"\{#.*?#\}", re.DOTALL)
 
@@ -183,6 +185,10 @@ class Qwen3_5Renderer:
             if sample_index >= 0 and e.sample_index != sample_index:
                 raise e.with_index(sample_index) from e
             raise
+        except RecursionError as e:  # a value nested hundreds deep: the walks over the conversation recurse per level
+            raise RenderError(
+                "nested_too_deeply", "a value nested too deeply to render", sample_index=sample_index
+            ) from e
 
     def render_text(self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | str | None = None) -> str:
         """The chat-template text of a conversation (after normalization and the special-text policy)."""
@@ -216,6 +222,9 @@ class Qwen3_5Renderer:
         conversation = tuple(self._join_split_specials(m) for m in normalized)
         tools_ = _normalize_tools(tools)
         texts = iter_text(conversation, tools_)
+        for s in texts:
+            if _SURROGATE_RE.search(s):  # JSON may escape half a UTF-16 pair ("\ud800"); tokenizers refuse it
+                raise RenderError("lone_surrogate", f"text holds a lone UTF-16 surrogate: {s[:40]!r}")
         found = [m.group(0) for s in texts if "<" in s for m in self._special_re.finditer(s)]
         if not found:
             return conversation, tools_, []

@@ -150,6 +150,9 @@ def _jsonl_records(path: str) -> Iterator[dict]:
             except RecursionError:
                 yield _record(path, number, None, [], "JSON nested too deeply to read")
                 continue
+            except ValueError as e:  # e.g. an integer past Python's 4300-digit conversion limit
+                yield _record(path, number, None, [], f"not readable JSON: {e}")
+                continue
             error = _not_a_row(value)
             yield _record(path, number, None if error else text, [] if error else list(value), error)
 
