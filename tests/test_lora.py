@@ -178,7 +178,7 @@ def _assert_only_adapters_moved(run: Path, args: list[str], tmp: Path) -> None:
     checkpoint = run / "checkpoints" / "step-000002"
     saved = _dcp_model_state(checkpoint, tmp)
     assert saved.keys() == {k for k in start if ".lora_" in k or k == "lm_head.weight"}
-    assert sorted(p.name for p in (checkpoint / "hf").iterdir()) == ["adapter"]  # no merged copy per checkpoint
+    assert sorted(p.name for p in (checkpoint / "hf").iterdir()) == ["MANIFEST.json", "adapter"]  # no merged copy
     adapter = load_file(run / "final" / "adapter" / "adapter_model.safetensors")
     trained = {k.removeprefix(PEFT_PREFIX).replace(".weight", ".default.weight"): v for k, v in adapter.items()}
     trained["lm_head.weight"] = trained.pop("lm_head.default.weight")
