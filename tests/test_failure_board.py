@@ -14,7 +14,7 @@ from train_helpers import launch_env
 from vlm_sft.config import REPO_ROOT
 
 WORKER = str(REPO_ROOT / "tests" / "failure_worker.py")
-TIMEOUT_S = 6
+TIMEOUT_S = 4
 
 
 def _free_port() -> int:

@@ -124,10 +124,6 @@ COMMANDS: dict[str, Run | Covered] = {
         "tests/test_preemption.py kills one worker of this recipe (tiny) after a checkpoint and checks the restart",
         ("tests/test_preemption.py", "def test_torchrun_restart_resumes_from_the_latest_checkpoint"),
     ),
-    (
-        "accelerate launch --multi_gpu --num_processes 2 --max_restarts 3 vlm_sft/train.py --config configs/debug.toml "
-        "--train.resume latest --train.save_every 100"
-    ): Run("train", procs=2),
     "python -m vlm_sft.data.mixture_example": Covered(
         "tests/test_mixture_example.py runs the CLI's main (into a temporary folder) and loads what it writes",
         ("tests/test_mixture_example.py", "assert main(argv) == 0"),
