@@ -41,4 +41,6 @@ if __name__ == "__main__":
     code = main(sys.argv[1:])
     out = Path(os.environ["PROBE_OUT"]) / f"rank{os.environ.get('RANK', '0')}.json"
     out.write_text(json.dumps({"counts": counts, "all_reduce_devices": sorted(devices)}))
-    sys.exit(code)
+    from vlm_sft.parallel.env import end_process
+
+    end_process(code)  # as the CLI ends a process of a multi-process run: no interpreter teardown (it can abort)

@@ -71,3 +71,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    from vlm_sft.parallel.env import end_process
+
+    end_process(0)  # as the CLI ends a process of a multi-process run: the interpreter's teardown can abort (gloo)
