@@ -223,8 +223,32 @@ class Runner:
 
 
 def bench_workload(w: Workload, runner: Runner, reps: int, slices: int) -> list[dict]:
+    """Time every mode of ``w`` (``time_modes``), then one row per mode, with its gain over each padded baseline."""
+    steps, peaks = time_modes(w, runner, reps, slices)
+    rows = [mode_row(w, runner, mode.label, steps[mode.label], peaks[mode.label]) for mode in w.modes]
+    by_label = {r["mode"]: r for r in rows}
+    for base in w.baselines:
+        b = by_label[base]
+        ideal = b["capacity_tokens"] / b["real_tokens"]
+        for r in rows:
+            if r["mode"] in w.baselines:
+                continue
+            # same real tokens in both: the padded / packed time ratio is the packed / padded real tokens/s ratio
+            g = harness.ratio_stats(b["pass_seconds"], r["pass_seconds"])
+            vs = {
+                "gain": g["median"],
+                "ideal": ideal,
+                "of_ideal": g["median"] / ideal,
+                "gain_range": [g["min"], g["max"]],
+            }
+            r.setdefault("vs", {})[base] = vs
+    return rows
+
+
+def time_modes(w: Workload, runner: Runner, reps: int, slices: int) -> tuple[dict[str, list], dict[str, list]]:
     """Each repetition trains every mode on all its batches, interleaved slice by slice (slice k of every mode, the
-    mode order rotating), so a burst of machine noise hits all modes of a repetition alike."""
+    mode order rotating), so a burst of machine noise hits all modes of a repetition alike. Returns per mode the
+    steps' timings of each repetition and the slices' memory peaks."""
     labels = [m.label for m in w.modes]
     for label in labels:  # warm-up: first-call costs (allocator, kernels' caches) hit no timed pass
         runner.run(label, w.batches[label][:2])
@@ -245,64 +269,46 @@ def bench_workload(w: Workload, runner: Runner, reps: int, slices: int) -> list[
             steps[label].append(done[label])
         line = "  ".join(f"{label} {sum(_step_s(s) for s in done[label]):.2f} s" for label in labels)
         print(f"  {w.name} rep {rep + 1}/{reps}: {line}", flush=True)
-    vision_trainable = runner.model.vision_trainable
-    config = runner.model.config
-    rows = []
-    for mode in w.modes:
-        bs = w.batches[mode.label]
-        reps_steps = steps[mode.label]
-        real = sum(b.num_real_tokens for b in bs)
-        trainable = sum(b.num_trainable_tokens for b in bs)
-        capacity = sum(b.input_ids.numel() for b in bs)
-        useful = sum(batch_flops(b, config, vision_trainable=vision_trainable).train for b in bs)
-        executed = sum(batch_flops(b, config, vision_trainable=vision_trainable, count_padding=True).train for b in bs)
-        pass_s = [sum(_step_s(s) for s in rep_steps) for rep_steps in reps_steps]
-        seconds = statistics.median(pass_s)
-        per_rep_parts = [{k: sum(s[k] for s in rep_steps) for k in PARTS} for rep_steps in reps_steps]
-        parts = harness.medians(per_rep_parts, PARTS)
-        step_total = parts["forward"] + parts["backward"] + parts["optimizer"]
-        shape = sorted({b.shape for b in bs})
-        rows.append(
-            {
-                "dataset": w.name,
-                "mode": mode.label,
-                "steps": len(bs),
-                "row_shape": f"{shape[0][0]} x {shape[0][1]}" if len(shape) == 1 else f"{shape[0][0]} x <={w.seq_len}",
-                "real_tokens": real,
-                "trainable_tokens": trainable,
-                "capacity_tokens": capacity,
-                "padding_fraction": 1 - real / capacity,
-                "pass_s": seconds,
-                "real_tok_s": real / seconds,
-                "trainable_tok_s": trainable / seconds,
-                "step_ms": 1e3 * statistics.median(_step_s(s) for rep_steps in reps_steps for s in rep_steps),
-                "vision_frac": parts["vision"] / step_total,
-                "text_forward_frac": (parts["forward"] - parts["vision"]) / step_total,
-                "backward_frac": parts["backward"] / step_total,
-                "optimizer_frac": parts["optimizer"] / step_total,
-                "peak_mb": max(peaks[mode.label], default=None),
-                "useful_gflop_s": useful / seconds / 1e9,
-                "executed_over_useful_flops": executed / useful,
-                "pass_seconds": pass_s,
-            }
-        )
-    by_label = {r["mode"]: r for r in rows}
-    for base in w.baselines:
-        b = by_label[base]
-        ideal = b["capacity_tokens"] / b["real_tokens"]
-        for r in rows:
-            if r["mode"] in w.baselines:
-                continue
-            # same real tokens in both: the padded / packed time ratio is the packed / padded real tokens/s ratio
-            g = harness.ratio_stats(b["pass_seconds"], r["pass_seconds"])
-            vs = {
-                "gain": g["median"],
-                "ideal": ideal,
-                "of_ideal": g["median"] / ideal,
-                "gain_range": [g["min"], g["max"]],
-            }
-            r.setdefault("vs", {})[base] = vs
-    return rows
+    return steps, peaks
+
+
+def mode_row(w: Workload, runner: Runner, label: str, reps_steps: list[list[dict]], peaks: list[float]) -> dict:
+    """One mode's row of the table: tokens, padding, median pass time, step shares, FLOP rates."""
+    vision_trainable, config = runner.model.vision_trainable, runner.model.config
+    bs = w.batches[label]
+    real = sum(b.num_real_tokens for b in bs)
+    trainable = sum(b.num_trainable_tokens for b in bs)
+    capacity = sum(b.input_ids.numel() for b in bs)
+    useful = sum(batch_flops(b, config, vision_trainable=vision_trainable).train for b in bs)
+    executed = sum(batch_flops(b, config, vision_trainable=vision_trainable, count_padding=True).train for b in bs)
+    pass_s = [sum(_step_s(s) for s in rep_steps) for rep_steps in reps_steps]
+    seconds = statistics.median(pass_s)
+    per_rep_parts = [{k: sum(s[k] for s in rep_steps) for k in PARTS} for rep_steps in reps_steps]
+    parts = harness.medians(per_rep_parts, PARTS)
+    step_total = parts["forward"] + parts["backward"] + parts["optimizer"]
+    shape = sorted({b.shape for b in bs})
+    return {
+        "dataset": w.name,
+        "mode": label,
+        "steps": len(bs),
+        "row_shape": f"{shape[0][0]} x {shape[0][1]}" if len(shape) == 1 else f"{shape[0][0]} x <={w.seq_len}",
+        "real_tokens": real,
+        "trainable_tokens": trainable,
+        "capacity_tokens": capacity,
+        "padding_fraction": 1 - real / capacity,
+        "pass_s": seconds,
+        "real_tok_s": real / seconds,
+        "trainable_tok_s": trainable / seconds,
+        "step_ms": 1e3 * statistics.median(_step_s(s) for rep_steps in reps_steps for s in rep_steps),
+        "vision_frac": parts["vision"] / step_total,
+        "text_forward_frac": (parts["forward"] - parts["vision"]) / step_total,
+        "backward_frac": parts["backward"] / step_total,
+        "optimizer_frac": parts["optimizer"] / step_total,
+        "peak_mb": max(peaks, default=None),
+        "useful_gflop_s": useful / seconds / 1e9,
+        "executed_over_useful_flops": executed / useful,
+        "pass_seconds": pass_s,
+    }
 
 
 PARTS = ("vision", "forward", "backward", "optimizer")

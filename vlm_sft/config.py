@@ -1,10 +1,11 @@
 """Typed run configuration: TOML files in ``configs/`` plus dotted command-line overrides.
 
 The public config module: import every config name from here. The typed sections (``RunConfig`` and the models it
-nests, their validators and constants) live in ``vlm_sft/config_sections.py`` and are re-exported below; this module
-holds what turns text into them: the TOML loader with dotted overrides, the shared command-line front of the entry
-points, and the ``--help`` text generated from the models. The split follows the one dependency: loading and help
-read the models, the models know nothing of files or argv, so the sections module imports nothing from here.
+nests, their validators and constants) live in ``vlm_sft/config_sections.py`` (a mixture's source tables in
+``config_sources.py``, ``ConfigError`` and the sections' base in ``config_base.py``) and are re-exported below; this
+module holds what turns text into them: the TOML loader with dotted overrides, the shared command-line front of the
+entry points, and the ``--help`` text generated from the models. The split follows the one dependency: loading and
+help read the models, the models know nothing of files or argv, so the sections modules import nothing from here.
 
 ``load_config("configs/debug.toml", ["--train.max_steps", "20"])`` is the one entry point the trainer, the data
 report and the packing check share.
@@ -43,8 +44,8 @@ from vlm_sft.config_sections import (
     SourceConfig,
     TrainConfig,
     VLMConfig,
-    source_name,
 )
+from vlm_sft.config_sources import source_name
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -253,7 +254,7 @@ def _type_name(annotation: Any) -> str:
     if isinstance(annotation, type):
         return annotation.__name__
     # ``VLMConfig | None`` prints with the models' module path; the help shows the bare names.
-    return re.sub(r"\b(?:typing|vlm_sft\.config_sections)\.", "", str(annotation))
+    return re.sub(r"\b(?:typing|vlm_sft\.config_(?:sections|sources|base))\.", "", str(annotation))
 
 
 def _toml_text(value: Any) -> str:

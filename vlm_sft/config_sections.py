@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from vlm_sft.config_base import ConfigError, Section
+from vlm_sft.config_sources import SourceConfig, check_source_names
 
 TINY_MODEL = "tiny"
 """``model.name_or_path`` value that builds the offline tiny Qwen3.5 preset instead of loading a checkpoint."""
@@ -25,15 +28,7 @@ DEFAULT_WARMUP_STEPS = 50
 """Warmup steps when neither ``train.warmup_steps`` nor ``train.warmup_fraction`` is set."""
 
 
-class ConfigError(ValueError):
-    """A config that cannot run, with the fix in the message."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True, frozen=False)
-
-
-class VLMConfig(_Section):
+class VLMConfig(Section):
     """Vision-language settings; present (``[model.vlm]``) whenever the data has images."""
 
     freeze_vision: bool = True
@@ -54,7 +49,7 @@ LORA_FUSED_GROUPS = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba":
 """GatedDeltaNet projections that serving engines (vLLM, SGLang) fuse into one matrix: adapt all of a group or none."""
 
 
-class LoraSettings(_Section):
+class LoraSettings(Section):
     """LoRA adapters on the text model (``[model.lora]``), through peft; the base weights stay frozen."""
 
     r: int = Field(16, ge=1)
@@ -104,7 +99,7 @@ class LoraSettings(_Section):
         return self
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     name_or_path: str = TINY_MODEL
     """``tiny`` / ``tiny-moe`` (offline presets), a local HF checkpoint directory, or a hub id such as
     ``Qwen/Qwen3.5-0.8B`` or ``Qwen/Qwen3.5-35B-A3B`` (dense or MoE: the checkpoint's config decides)."""
@@ -136,7 +131,7 @@ class ModelConfig(_Section):
     """LoRA fine-tuning (``[model.lora]``): adapters on the text model, base weights frozen; None: full fine-tuning."""
 
 
-class ShapesConfig(_Section):
+class ShapesConfig(Section):
     """The embedded shapes dataset: generated deterministically, materialized once as jsonl + png files."""
 
     num_train: int = Field(4000, ge=1)
@@ -151,68 +146,7 @@ class ShapesConfig(_Section):
     """Folder under which the dataset is materialized (a subfolder per seed and size)."""
 
 
-class SourceConfig(_Section):
-    """One source of a mixture (``[[data.sources]]``, or ``[[data.eval_sources]]`` for held-out data)."""
-
-    source: str = Field(min_length=1)
-    """``shapes``, a local jsonl / json / parquet file or folder of shards, or a hub dataset id (as ``data.source``)."""
-    name: str | None = Field(None, min_length=1)
-    """Name in logs, ``metrics.jsonl`` (``samples/<name>``, ``eval_loss/<name>``) and the accounting; None: the
-    file's (or folder's) stem, or the last part of a hub id."""
-    weight: float = 1.0
-    """Relative share of the training *samples* drawn from this source (weights 6, 3, 1 draw 60 / 30 / 10 percent).
-    To leave a source out, remove its table. Ignored for ``eval_sources``."""
-    split: str | None = None
-    """Split of a hub dataset; None: ``data.split``."""
-    image_root: str | None = None
-    """As ``data.image_root``, for this source (None: ``data.image_root``, whose default is the file's folder)."""
-    allowed_image_roots: list[str] = []
-    """As ``data.allowed_image_roots``, added to those of ``[data]`` for this source."""
-    streaming: bool | None = None
-    """Read this source while training (as ``data.streaming``); None: ``data.streaming``."""
-
-    @field_validator("weight")
-    @classmethod
-    def _check_weight(cls, weight: float) -> float:
-        if not weight > 0 or weight == float("inf"):
-            raise ConfigError(
-                f"weight = {weight}: a source's weight must be a positive number (its relative share of the samples); "
-                "to leave a source out, remove its table"
-            )
-        return weight
-
-    @property
-    def label(self) -> str:
-        """``name``, or the name derived from ``source``."""
-        return self.name or source_name(self.source)
-
-
-SPLIT_STEMS = ("train", "eval", "test", "val", "valid", "validation", "dev", "data")
-"""File stems that name a split, not a source: ``ocr/train.jsonl`` is named after its folder, ``ocr``."""
-
-
-def source_name(source: str) -> str:
-    """The default name of a source: a local path's stem (``data/ocr.jsonl`` -> ``ocr``; for a split's file such as
-    ``ocr/train.jsonl`` the folder's name), or a hub id's last part."""
-    parts = [p for p in source.replace("\\", "/").split("/") if p and p != "."]
-    if not parts:
-        return source
-    tail = parts[-1]
-    stem = tail.split(".", 1)[0] if "." in tail and not tail.startswith(".") else tail
-    return parts[-2] if stem.lower() in SPLIT_STEMS and len(parts) > 1 else stem
-
-
-def _check_source_names(field: str, sources: list[SourceConfig]) -> None:
-    labels = [s.label for s in sources]
-    repeated = sorted({n for n in labels if labels.count(n) > 1})
-    if repeated:
-        raise ConfigError(
-            f"data.{field}: the name(s) {repeated} are used by more than one source; give each table its own "
-            'name = "..." (names label the metrics and the accounting)'
-        )
-
-
-class DataConfig(_Section):
+class DataConfig(Section):
     source: str = SHAPES_DATASET
     """``shapes``, a local jsonl / json / parquet file, or a hub dataset id."""
     split: str = "train"
@@ -300,7 +234,7 @@ class DataConfig(_Section):
                     f"data.{one} and [[data.{field}]] are both set; keep one: a single {one}, or one "
                     f"[[data.{field}]] table per source"
                 )
-            _check_source_names(field, tables)
+            check_source_names(field, tables)
         return self
 
     @property
@@ -309,7 +243,7 @@ class DataConfig(_Section):
         return SHAPES_DATASET in ([s.source for s in self.sources] if self.sources else [self.source])
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     seed: int = 0
     """Seed for init, data order and dropout."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -442,7 +376,7 @@ class TrainConfig(_Section):
         return self
 
 
-class RunConfig(_Section):
+class RunConfig(Section):
     """The whole run: ``[model]``, ``[data]``, ``[train]``."""
 
     model: ModelConfig = ModelConfig()
