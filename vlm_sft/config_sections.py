@@ -304,6 +304,12 @@ class TrainConfig(Section):
     sequence of multi-tensor ops that allocates one fp32 copy of the trainable shard per step (4 bytes per
     trainable parameter / world_size beyond the AdamW state; 17 GB per GPU for Qwen3.5-35B-A3B on 8). Measured:
     ``bench/bench_optimizer.py``."""
+    optimizer_offload: bool = False
+    """Keep AdamW's state (exp_avg, exp_avg_sq: 8 bytes per trainable parameter / world_size) in host memory between
+    steps, on the device only during the step, when activations and gathered layers are freed: the training peak
+    drops to the larger of the forward / backward peak and the step's (``python -m vlm_sft.checks.memory_plan``). It
+    costs host memory (the state, pinned) and two copies of it over PCIe per step; the update is the same, bit for
+    bit. For Qwen3.5-35B-A3B on 8 x 80 GB (README: Big models)."""
     grad_clip: float | None = Field(1.0, gt=0)
     """Max global gradient norm; None disables clipping."""
     output_dir: str = "outputs/debug"

@@ -20,7 +20,10 @@ the checkpoint on disk (2 for the released bf16 checkpoints), ``S`` the checkpoi
   gradient until the step's last micro-batch) + gathered weights ``c (n_root + 2 n_unit) + 4 n_unit_t`` (FSDP2 keeps
   the root unit, embeddings + LM head + final norm, gathered through forward and backward, gathers one decoder
   layer or the vision tower at a time with one prefetched, and holds that unit's unsharded fp32 gradient before its
-  reduce-scatter) + activations (``checks.activations.activation_bytes``, one micro-batch's graph). Under expert parallelism
+  reduce-scatter) + activations (``checks.activations.activation_bytes``, one micro-batch's graph). With
+  ``train.optimizer_offload`` the AdamW state is on the host between steps: training is then the larger of the
+  forward / backward peak (everything above but the AdamW state and the step's temporaries) and the step's
+  (parameters, gradients, accumulated gradients, AdamW state, temporaries). Under expert parallelism
   (``train.ep_size = ep``) each rank holds ``1 / ep`` of the routed experts whole instead of ``1 / W`` (the
   parameters, gradients and AdamW terms count them so), FSDP2 gathers the layers without them, and the dispatch
   adds its buffers (``expert_parallel_bytes``, with a planned routing imbalance ``EP_IMBALANCE``).
@@ -161,6 +164,9 @@ class MemoryPlan:
     """AdamW exp_avg + exp_avg_sq, fp32, of the trainable shard."""
     optimizer_temporaries: int
     """The AdamW step's own buffers: none when fused, one fp32 copy of the trainable shard with foreach."""
+    host_optimizer_state: int
+    """``train.optimizer_offload``: the AdamW state held in host memory between steps (0 without it); on the device
+    only during the step, so ``training`` is the larger of the forward / backward peak and the step's."""
     accumulated_grads: int
     """Unsharded fp32 gradients kept across micro-batches (``grad_sync = "step"``, ``micro_batches > 1``)."""
     gathered_weights: int
@@ -181,10 +187,12 @@ class MemoryPlan:
 
     @property
     def training(self) -> int:
-        return (
-            self.params + self.grads + self.optimizer_state + self.optimizer_temporaries + self.accumulated_grads
-            + self.gathered_weights + self.activations + self.expert_dispatch
-        )  # fmt: skip
+        held = self.params + self.grads + self.accumulated_grads
+        forward_backward = held + self.gathered_weights + self.activations + self.expert_dispatch
+        step = self.optimizer_state + self.optimizer_temporaries
+        if self.host_optimizer_state:  # the state comes to the device for the step, when the activations are freed
+            return max(forward_backward, held + step)
+        return forward_backward + step
 
     @property
     def save(self) -> int:
@@ -218,11 +226,13 @@ def plan(
     local_trainable: int | None = None,
     optimizer_impl: str = "fused",
     ep_size: int = 1,
+    optimizer_offload: bool = False,
 ) -> MemoryPlan:
     """The plan of one rank (module docstring). ``local_param_bytes`` / ``local_trainable``: this rank's real shard
     (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even split, ``1 / W`` of
     everything but expert parallelism's experts, ``1 / ep`` of those (``ep_size``: ``train.ep_size``).
-    ``optimizer_impl``: the run's ``train.optimizer_impl`` (its default here too)."""
+    ``optimizer_impl``, ``optimizer_offload``: the run's ``train.optimizer_impl`` and ``train.optimizer_offload``
+    (their defaults here too)."""
     w = world_size if sharded else 1
     ep = ep_size if counts.experts else 1
     if local_param_bytes is None:
@@ -246,6 +256,7 @@ def plan(
         grads=FP32 * trainable,
         optimizer_state=2 * FP32 * trainable,
         optimizer_temporaries=STEP_TEMPORARY_COPIES[optimizer_impl] * FP32 * trainable,
+        host_optimizer_state=2 * FP32 * trainable if optimizer_offload else 0,
         accumulated_grads=FP32 * (counts.trainable - (counts.experts_trainable if ep > 1 else 0)) if accumulate else 0,
         gathered_weights=gathered,
         activations=activation_bytes(config, step, counts),
@@ -328,6 +339,7 @@ def plan_for_run(cfg: RunConfig, world_size: int, *, device_type: str = "cuda") 
     return plan(
         counts, config, step, world_size=world_size, sharded=sharded, micro_batches=cfg.train.micro_batches,
         grad_sync=cfg.train.grad_sync, optimizer_impl=cfg.train.optimizer_impl, ep_size=cfg.train.ep_size,
+        optimizer_offload=cfg.train.optimizer_offload,
     )  # fmt: skip
 
 

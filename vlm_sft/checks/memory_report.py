@@ -239,6 +239,7 @@ def report(
             checkpoint_elem_bytes=elem_bytes, checkpoint_bytes=size,
             local_param_bytes=values["local_param_bytes"], local_trainable=values["local_trainable"],
             optimizer_impl=cfg.train.optimizer_impl, ep_size=cfg.train.ep_size,
+            optimizer_offload=cfg.train.optimizer_offload,
         )  # fmt: skip
         cuda = [None if values[k] < 0 else values[k] for k in ("cuda_peak_allocated", "cuda_peak_reserved")]
         ranks.append(RankMemory(rank, values["peak_rss"], values["rss"], *cuda, p))

@@ -79,6 +79,21 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float | None) -> t
     return total
 
 
+def copy_to(t: torch.Tensor, device: torch.device, *, pin_memory: bool = False) -> torch.Tensor:
+    """A copy of ``t`` on ``device``, issued asynchronously where it can be (``non_blocking``); a DTensor's copy is a
+    DTensor of the same mesh, placements and shape whose local shard lives on ``device``, also when that is the host
+    and the mesh's device is a GPU (as FSDP2's own CPU offload holds its shards). ``pin_memory``: the copy in
+    page-locked host memory (CUDA runs), so both directions of the copy run asynchronously."""
+    if isinstance(t, DTensor):
+        local = copy_to(t.to_local(), device, pin_memory=pin_memory)
+        return DTensor(
+            local, t._spec, requires_grad=False
+        )  # DTensor.from_local would move the shard to the mesh's device
+    if pin_memory:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+    return t.to(device, non_blocking=True, copy=True)
+
+
 def is_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (a parameter or state tensor of a sharded model), i.e. not held whole here."""
     return isinstance(t, DTensor)

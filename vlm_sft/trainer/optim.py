@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from vlm_sft.config import DEFAULT_WARMUP_STEPS, ConfigError, TrainConfig
+from vlm_sft.trainer.optim_offload import offload_optimizer_state
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         check_fused_supported(groups)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), **{cfg.optimizer_impl: True})
     optimizer.register_load_state_dict_pre_hook(keep_implementation)
+    if cfg.optimizer_offload:
+        offload_optimizer_state(optimizer, _device_of(groups))
     return optimizer
+
+
+def _device_of(groups: list[dict]) -> torch.device:
+    """The trainable parameters' device (the host when there are none)."""
+    params = [p for g in groups for p in g["params"]]
+    return params[0].device if params else torch.device("cpu")
 
 
 def check_fused_supported(groups: list[dict]) -> None:
