@@ -8,21 +8,23 @@ Recurrence (per head, per token ``t`` of a segment, state ``S`` of shape ``[K, V
 
 Backends: ``"fla"`` calls flash-linear-attention's ``chunk_gated_delta_rule`` with ``cu_seqlens`` (CUDA + triton; it
 computes in the inputs' dtype, float32 included, and maps each value head to its key head itself, so q / k keep the
-key-head count); ``"torch"`` is our varlen chunked rule: every segment is padded to whole chunks inside the kernel, so
-no chunk spans two segments. Segments longer than a chunk form one multi-chunk group: all their chunks go through the
-intra-chunk algebra in one batched computation, and the inter-chunk scan carries one state per segment (segments ranked
-by chunk count, so the ones still running at scan step ``j`` are a prefix and each step is one batched matmul). Shorter
-segments are bucketed by length (``varlen.grouped_chunk_layout``) into single-chunk groups, each padded only to its own
-longest member; a single-chunk segment never reads or writes a state, so those groups skip the ``w`` half of the
-triangular solve and the scan entirely. Log decays are floored at ``LOG_DECAY_FLOOR`` before ``exp`` (denormal fp32
-values are tens of times slower on CPUs; the floor is far below fp32 resolution). ``naive_recurrent_gated_delta_rule``
-is the token-by-token reference the tests hold both against.
+key-head count); ``"torch"`` is our varlen chunked rule: segments are padded to whole chunks inside the kernel, so no
+chunk spans two segments, and the chunk size follows the key head dim (``default_chunk_size``: 16 for the tiny model,
+64 for the real one). Segments longer than ``SINGLE_CHUNK_MAX`` form one multi-chunk group: the intra-chunk algebra of
+all their chunks in one batched computation (decays, the UT transform's triangular solve, the ``[C, C]`` products), then
+a scan of the states alone (``_StateScan``: ``S' = (decay I - kdec^T w) S + kdec^T u``, one batched matmul per step
+over the segments still running, ranked by chunk count so they are a prefix, forward and backward), then every chunk's
+read of its entering state at once. Shorter segments are bucketed by length (``varlen.grouped_chunk_layout``) into
+single-chunk groups, each padded only to its own longest member; they never read or write a state, so they skip the
+``w`` half of the solve and the scan. Tokens reach the groups' head-major padded rows in one scatter and return in one
+gather (``varlen.to_rows`` / ``from_rows``). Log decays are floored at ``LOG_DECAY_FLOOR`` before ``exp`` (denormals
+are tens of times slower on CPUs). ``naive_recurrent_gated_delta_rule`` is the reference the tests hold both against.
 
 Incremental decoding (``vlm_sft.model.decode``): ``final_states`` gives each segment's state after a prefill (the
 chunked algebra without the outputs, on every backend) and ``recurrent_step`` advances S sequences by one token each.
 
-Legend: T = total tokens of the flattened batch, H = heads (value heads), K = key dim, V = value dim,
-N = chunks over all segments, C = chunk size, S = segments.
+Legend: T = tokens of the flattened batch, H = (value) heads, K = key dim, V = value dim, N = chunks over all segments,
+C = chunk size, S = segments, P = (token, head) pairs, R = rows of the padded chunk layout (N x H x C), F = features.
 """
 
 from __future__ import annotations
@@ -32,7 +34,15 @@ import logging
 
 import torch
 
-from vlm_sft.model.varlen import Segments, chunk_layout, gather_rows, grouped_chunk_layout
+from vlm_sft.model.varlen import (
+    Segments,
+    chunk_layout,
+    chunk_successors,
+    from_rows,
+    gather_rows,
+    grouped_chunk_layout,
+    to_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,23 +63,36 @@ def gated_delta_rule(
     *,
     backend: str,
     use_qk_l2norm: bool = True,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Gated delta rule over the flattened tokens of a packed row; returns ``o_THV`` in ``v``'s dtype.
 
     ``q``/``k`` carry the key heads, as many as ``v``'s value heads or a divisor of them: value head ``h`` reads key
     head ``h // (H_v // H_k)`` (transformers' ``repeat_interleave``). The torch backend repeats them here; fla reads
     the shared key heads in place (no ``H_v / H_k`` times larger copies of q / k and of their gradients). ``g`` is the
-    log decay (<= 0), ``beta`` is already sigmoid-ed. ``chunk_size`` only applies to the torch backend.
+    log decay (<= 0), ``beta`` is already sigmoid-ed. ``chunk_size`` only applies to the torch backend (default
+    ``default_chunk_size(K)``; any chunk size gives the same result up to rounding).
     """
     _check_shapes(q_THK, k_THK, v_THV, g_TH, beta_TH)
     segments.check_tokens(v_THV.shape[0], "gated_delta_rule")
     if backend == "torch":
         q_THK, k_THK = _repeat_to_value_heads(q_THK, k_THK, v_THV.shape[1])
+        chunk_size = chunk_size or default_chunk_size(q_THK.shape[-1])
         return _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments.lengths, use_qk_l2norm, chunk_size)
     if backend == "fla":
         return _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments, use_qk_l2norm)
     raise ValueError(f"unknown linear-attention backend {backend!r}; expected 'fla' or 'torch'")
+
+
+def default_chunk_size(k_dim: int) -> int:
+    """The torch backend's chunk size for key heads of ``k_dim``: ``k_dim`` itself, within [16, 64].
+
+    A chunk's own algebra costs ``C x C`` per head and token (the decays, ``A``, ``attn``, the triangular solve), the
+    scan ``K x V / C``; with ``K = V = 16`` (the tiny model) chunks of 16 ran fwd + bwd 2.0x faster than chunks of 64
+    and 1.3x faster than 32 on the bfd rows of the long-tailed data, and chunks of 8 were slower again; with
+    ``K = V = 128`` (the real model) 64 and 32 were alike and 16 1.3x slower.
+    """
+    return min(64, max(16, k_dim))
 
 
 def naive_recurrent_gated_delta_rule(
@@ -144,12 +167,14 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm: bool):
 
 
 @functools.lru_cache(maxsize=8)
-def _masks(chunk_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(strictly upper, upper incl. diagonal) boolean ``[C, C]`` masks."""
-    ones = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device)
-    return ones.triu(1), ones.triu(0)
+def _strictly_upper(chunk_size: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).triu(1)
 
 
+SINGLE_CHUNK_MAX = 64
+"""Segments up to this long form single-chunk groups at their own width even when the chunk size is shorter: on the
+shapes data's rows (segments of 30-50 tokens) they ran 1.28x faster on 2 threads than as 2-4 chunks of 16 (alike on
+1 thread); on the long tail's rows it made no difference."""
 GROUP_LINEAR_COST = 32
 """Bucketing weight of the per-slot (``[C, K]``-sized) work against the ``[C, C]``-sized work of a chunk."""
 GROUP_FIXED_COST = 12_000
@@ -162,25 +187,30 @@ def _torch_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, lengths: tuple[int, ...],
     k_dim = q_THK.shape[-1]
     if total == 0:
         return v_THV.new_zeros(v_THV.shape)
-    # Segments longer than a chunk share one chunked scan; shorter ones are bucketed by length into single-chunk
-    # groups, each padded only to its own longest member (any chunk size gives the same result).
-    layout = grouped_chunk_layout(lengths, chunk_size, torch.device(v_THV.device), GROUP_LINEAR_COST, GROUP_FIXED_COST)
+    # Segments longer than SINGLE_CHUNK_MAX share one chunked scan; shorter ones are bucketed by length into
+    # single-chunk groups, each padded only to its own longest member (any chunk size gives the same result).
+    device, single_max = torch.device(v_THV.device), max(chunk_size, SINGLE_CHUNK_MAX)
+    layout = grouped_chunk_layout(
+        lengths, chunk_size, device, GROUP_LINEAR_COST, GROUP_FIXED_COST, num_heads, single_max
+    )
     q, k, v, g, beta = _prepare(q_THK, k_THK, v_THV, g_TH, beta_TH, use_qk_l2norm)
-    # One gather per group for all five inputs: [T, H, 2K + V + 2] -> [N, H, C, 2K + V + 2].
-    packed_THF = torch.cat([q, k, v, g[..., None], beta[..., None]], dim=-1)
+    # One scatter for all five inputs of every group: [T * H, 2K + V + 2] -> the groups' rows, each group
+    # [N, H, C, 2K + V + 2] (head-major: its batched matmuls read q, k, v in place).
+    x_PF = torch.cat([q, k, v, g[..., None], beta[..., None]], dim=-1).view(total * num_heads, -1)
+    rows_RF = to_rows(x_PF, layout)
     outputs = []
     for group in layout.groups:
         n, c = group.num_chunks, group.chunk_size
-        x = gather_rows(packed_THF, group.slot_to_token).view(n, c, num_heads, -1).transpose(1, 2)
+        x = rows_RF[group.first_row : group.first_row + n * num_heads * c].view(n, num_heads, c, -1)
         q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC = x.split([k_dim, k_dim, v_dim, 1, 1], dim=-1)
         g_NHC, beta_NHC = g_NHC.squeeze(-1), beta_NHC.squeeze(-1)
         if group.single_chunk:
             o_NHCV = _single_chunks(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC)
         else:
             o_NHCV = _chunked_scan(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC, group.step_sizes)
-        outputs.append(o_NHCV.transpose(1, 2).reshape(n * c, num_heads, v_dim))
-    o_flat = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-    return o_flat.index_select(0, layout.token_to_slot).to(v_THV.dtype)
+        outputs.append(o_NHCV.reshape(-1, v_dim))
+    o_RV = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+    return from_rows(o_RV, layout).view(total, num_heads, v_dim).to(v_THV.dtype)
 
 
 def _exp(log_x: torch.Tensor) -> torch.Tensor:
@@ -191,29 +221,64 @@ def _exp(log_x: torch.Tensor) -> torch.Tensor:
 
 
 class UnitLowerSolve(torch.autograd.Function):
-    """``X = (I + strictly_lower(A))^-1 B``, batched: ``solve_triangular(unitriangular=True)`` with a cheaper backward.
+    """``X = (I + strictly_lower(A))^-1 B``, batched, with the textbook gradients ``dB = L^-T dX`` and
+    ``dA = -strictly_lower(dB X^T)``; ``A``'s diagonal and upper triangle are never read. By the size ``C``:
 
-    The gradients are the textbook ones, ``dB = L^-T dX`` and ``dA = -strictly_lower(dB X^T)``, as torch's own backward
-    computes them; torch solves ``L^T`` as an upper-triangular system on a transposed view, which on CPUs took 2x
-    the forward solve. Here ``dB^T`` comes from the same lower-triangular solve from the right (``dB^T L = dX^T``) on
-    the contiguous ``L``: the backward of the whole solve costs about half of torch's (measured at the chunk
-    kernel's shapes, ``[496, 64, 64]``). Neither direction reads ``A``'s diagonal or upper triangle.
+    - a power of two (the multi-chunk groups): ``L^-1`` by blocked inversion (``unit_lower_inverse``), then ``X`` and
+      ``dB`` are matmuls. torch's batched ``solve_triangular`` of many small matrices collapsed on 2 threads
+      (``[1036, 16, 16]``, 32 right-hand sides: 44 ms a call, 2-5 ms on 1 thread); the inverse took the long-tail rows'
+      kernel from 3.3 s to 1.0 s there, and is as fast as the solve on 1 thread, at 16 and at 64;
+    - otherwise (single-chunk groups, as wide as their longest segment): ``solve_triangular``, and ``dB^T`` by the same
+      lower solve from the right (``dB^T L = dX^T``) on the contiguous ``L``, half the cost of torch's own backward
+      (a solve of ``L^T`` on a transposed view); padding to a power of two made shapes rows 0.79x as fast (1 thread).
     """
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        x = torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
-        ctx.save_for_backward(a, x)
+        c = a.shape[-1]
+        ctx.inverse = c & (c - 1) == 0
+        with torch.autocast(a.device.type, enabled=False):  # in the inputs' dtype, as solve_triangular under autocast
+            if ctx.inverse:
+                l_inv = unit_lower_inverse(a)
+                x = l_inv @ b
+                ctx.save_for_backward(l_inv, x)
+            else:
+                x = torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
+                ctx.save_for_backward(a, x)
         return x
 
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-        a, x = ctx.saved_tensors
-        grad_b = torch.linalg.solve_triangular(a, grad_x.mT, upper=False, left=False, unitriangular=True).mT
-        grad_a = None
-        if ctx.needs_input_grad[0]:
-            grad_a = -(grad_b @ x.mT).tril(-1)
+        saved, x = ctx.saved_tensors
+        grad_x = grad_x.to(x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.inverse:
+                grad_b = saved.mT @ grad_x
+            else:
+                grad_b = torch.linalg.solve_triangular(saved, grad_x.mT, upper=False, left=False, unitriangular=True).mT
+            grad_a = -(grad_b @ x.mT).tril(-1) if ctx.needs_input_grad[0] else None
         return grad_a, grad_b
+
+
+def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
+    """``(I + strictly_lower(a))^-1`` of ``[..., C, C]`` matrices, ``C`` a power of two: blocked recursive inversion
+    (LAPACK's ``trtri`` scheme), every diagonal block of a level at once. Level ``s`` joins pairs of inverted ``s x s``
+    blocks: ``[[T11, 0], [-T22 A21 T11, T22]]``; ``log2(C)`` levels of two batched matmuls each."""
+    c = a.shape[-1]
+    assert c & (c - 1) == 0, f"unit_lower_inverse wants a power-of-two size, got {c}"
+    lower = a.tril(-1)
+    batch = lower.shape[:-2]
+    inv = lower.new_ones(*batch, c, 1, 1)  # the 1 x 1 diagonal blocks of a unit triangular matrix
+    s = 1
+    while s < c:
+        pairs = c // (2 * s)
+        # The 2s x 2s diagonal blocks of A, [..., pairs, 2s, 2s], and their lower-left s x s quarters.
+        blocks = lower.view(*batch, pairs, 2 * s, pairs, 2 * s).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+        t11, t22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        t21 = -((t22 @ blocks[..., s:, :s]) @ t11)
+        inv = torch.cat([torch.cat([t11, torch.zeros_like(t11)], dim=-1), torch.cat([t21, t22], dim=-1)], dim=-2)
+        s *= 2
+    return inv.view(*batch, c, c)
 
 
 def _intra(q_NHCK, k_NHCK, g_NHC, beta_NHC):
@@ -225,7 +290,7 @@ def _intra(q_NHCK, k_NHCK, g_NHC, beta_NHC):
     diagonal: the masked entries are set to a log decay of 0 before ``exp`` (``exp(-inf)`` is slow on CPUs too) and
     to 0 after.
     """
-    strictly_upper, _ = _masks(q_NHCK.shape[-2], q_NHCK.device)
+    strictly_upper = _strictly_upper(q_NHCK.shape[-2], q_NHCK.device)
     gcum_NHC = g_NHC.cumsum(-1)
     log_decay_NHCC = (gcum_NHC[..., :, None] - gcum_NHC[..., None, :]).masked_fill(strictly_upper, 0.0)
     decay_NHCC = _exp(log_decay_NHCC).masked_fill(strictly_upper, 0.0)
@@ -245,35 +310,75 @@ def _single_chunks(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC):
 
 def _chunked_scan(q_NHCK, k_NHCK, v_NHCV, g_NHC, beta_NHC, step_sizes: tuple[int, ...]):
     """Segments of several chunks, step-major (``ChunkLayout``): intra-chunk algebra for all chunks at once, then the
-    inter-chunk scan, one batched matmul per step over the segments still running."""
-    c, k_dim, v_dim = q_NHCK.shape[-2], q_NHCK.shape[-1], v_NHCV.shape[-1]
+    inter-chunk scan of the states alone (``_StateScan``), then every chunk's read of its entering state at once."""
+    k_dim, v_dim = q_NHCK.shape[-1], v_NHCV.shape[-1]
     gcum_NHC, kbeta_NHCK, a_NHCC, attn_NHCC = _intra(q_NHCK, k_NHCK, g_NHC, beta_NHC)
-    rhs = torch.cat([v_NHCV * beta_NHC[..., None], kbeta_NHCK * _exp(gcum_NHC)[..., None]], dim=-1)
-    solved = UnitLowerSolve.apply(a_NHCC, rhs)  # (I + A)^-1 rhs
-    u_NHCV, w_NHCK = solved.split([v_dim, k_dim], dim=-1)
-    # o = attn @ (u - w S) + (q * exp(gcum)) S = attn @ u + (q * exp(gcum) - attn @ w) S: the [C, C] products are
-    # batched here so the sequential scan only does [C, K] x [K, V] work.
-    intra_NHCV = attn_NHCC @ u_NHCV
-    read_NHCK = q_NHCK * _exp(gcum_NHC)[..., None] - attn_NHCC @ w_NHCK
-    kdec_NHCK = k_NHCK * _exp(gcum_NHC[..., -1:] - gcum_NHC)[..., None]  # decayed to the chunk end
-    chunk_decay_NH = _exp(gcum_NHC[..., -1])
+    egcum_NHC = _exp(gcum_NHC)
+    rhs = torch.cat([v_NHCV * beta_NHC[..., None], kbeta_NHCK * egcum_NHC[..., None]], dim=-1)
+    solved_NHCF = UnitLowerSolve.apply(a_NHCC, rhs)  # (I + A)^-1 rhs = [u | w]
+    u_NHCV, w_NHCK = solved_NHCF.split([v_dim, k_dim], dim=-1)
+    # The state after a chunk: S' = decay S + kdec^T (u - w S) = (decay I - kdec^T w) S + kdec^T u, with kdec = k
+    # decayed to the chunk end; both products come from one batched kdec^T [u | w] over every chunk.
+    kdec_NHCK = k_NHCK * _exp(gcum_NHC[..., -1:] - gcum_NHC)[..., None]
+    ku_NHKV, kw_NHKK = (kdec_NHCK.transpose(-1, -2) @ solved_NHCF).split([v_dim, k_dim], dim=-1)
+    states_NHKV = _StateScan.apply(egcum_NHC[..., -1], kw_NHKK, ku_NHKV, step_sizes)
+    # o = attn @ (u - w S) + (q * exp(gcum)) S = attn @ u + (q * exp(gcum) - attn @ w) S, every chunk at once.
+    read_NHCK = q_NHCK * egcum_NHC[..., None] - attn_NHCC @ w_NHCK
+    return attn_NHCC @ u_NHCV + read_NHCK @ states_NHKV
 
-    # Inter-chunk scan: step j handles chunk j of every segment that has one; the state rows are those segments.
-    sizes = list(step_sizes)
-    read_w = torch.cat([read_NHCK, w_NHCK], dim=-2).split(sizes)  # one matmul per step for both reads of S
-    u_steps, kdec_steps, decay_steps = u_NHCV.split(sizes), kdec_NHCK.split(sizes), chunk_decay_NH.split(sizes)
-    intra_steps = intra_NHCV.split(sizes)
-    out_steps = [intra_steps[0]]  # the first chunk of every segment starts from a zero state
-    state = kdec_steps[0].transpose(-1, -2) @ u_steps[0]  # [S_active, H, K, V]
-    for j in range(1, len(sizes)):
-        active = sizes[j]
-        state = state[:active]
-        reads = read_w[j] @ state  # [active, H, 2C, V]
-        out_steps.append(intra_steps[j] + reads[..., :c, :])
-        if j + 1 < len(sizes):
-            v_new = u_steps[j] - reads[..., c:, :]
-            state = state * decay_steps[j][..., None, None] + kdec_steps[j].transpose(-1, -2) @ v_new
-    return torch.cat(out_steps) if len(out_steps) > 1 else out_steps[0]
+
+class _StateScan(torch.autograd.Function):
+    """The inter-chunk recurrence of the states alone: one batched matmul per scan step, forward and backward.
+
+    Chunks are step-major (``ChunkLayout``): step ``j`` holds chunk ``j`` of the ``step_sizes[j]`` segments that have
+    one, ranked so the segments still running are a prefix. With ``S`` the state a chunk starts from (zero for a
+    segment's first chunk) and ``F = decay I - KW``, the next chunk of the segment starts from ``F S + KU``. Returns
+    every chunk's entering state ``[N, H, K, V]``.
+
+    Backward, with ``G`` the gradient of the state after a chunk: ``G = dS_next + F_next^T G_next`` in reverse step
+    order (zero after a segment's last chunk), then ``dKU = G``, ``dKW = -G S^T``, ``d decay = trace(G S^T)``, all
+    chunks at once (autograd of the loop: ~10 kernels a step, each slice's gradient copied into zeros of its source).
+    """
+
+    @staticmethod
+    def forward(ctx, decay_NH, kw_NHKK, ku_NHKV, step_sizes: tuple[int, ...]):
+        (n, h, k_dim, v_dim), dtype = ku_NHKV.shape, torch.promote_types(decay_NH.dtype, ku_NHKV.dtype)  # float32 state
+        f_NHKK = -kw_NHKK.to(dtype)
+        f_NHKK.diagonal(dim1=-2, dim2=-1).add_(decay_NH[..., None])
+        states = ku_NHKV.new_zeros(n, h, k_dim, v_dim, dtype=dtype)  # a segment's first chunk starts from zero
+        rows = [size * h for size in step_sizes]
+        f_steps, s_steps = f_NHKK.view(-1, k_dim, k_dim).split(rows), states.view(-1, k_dim, v_dim).split(rows)
+        ku_steps = ku_NHKV.to(dtype).contiguous().view(-1, k_dim, v_dim).split(rows)
+        with torch.autocast(states.device.type, enabled=False):
+            for j in range(1, len(rows)):
+                active = rows[j]  # the segments with a chunk j: a prefix of those of step j - 1
+                if j == 1:
+                    s_steps[1].copy_(ku_steps[0][:active])
+                else:
+                    f_s, ku_s, s_s = f_steps[j - 1][:active], ku_steps[j - 1][:active], s_steps[j - 1][:active]
+                    torch.baddbmm(ku_s, f_s, s_s, out=s_steps[j])
+        ctx.save_for_backward(f_NHKK, states)
+        ctx.step_sizes = step_sizes
+        return states
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_states):
+        f_NHKK, states = ctx.saved_tensors
+        n, h, k_dim, v_dim = states.shape
+        rows = [size * h for size in ctx.step_sizes]
+        has_next, next_chunk = chunk_successors(ctx.step_sizes, grad_states.device)
+        # G starts as the gradient of the next chunk's entering state (zero after a segment's last chunk) ...
+        g_NHKV = states.new_zeros(n, h, k_dim, v_dim)
+        grad_next = grad_states.to(states.dtype).reshape(n, -1).index_select(0, next_chunk)
+        g_NHKV.view(n, -1).index_copy_(0, has_next, grad_next)
+        f_steps, g_steps = f_NHKK.view(-1, k_dim, k_dim).split(rows), g_NHKV.view(-1, k_dim, v_dim).split(rows)
+        with torch.autocast(states.device.type, enabled=False):
+            for j in range(len(rows) - 3, -1, -1):  # ... plus what flows back through the state after the next chunk
+                later = rows[j + 2]  # segments with chunks j, j + 1 and j + 2
+                g_steps[j][:later].baddbmm_(f_steps[j + 1][:later].mT, g_steps[j + 1][:later])
+            grad_f = g_NHKV @ states.transpose(-1, -2)
+        return grad_f.diagonal(dim1=-2, dim2=-1).sum(-1), -grad_f, g_NHKV, None
 
 
 def _fla_chunked(q_THK, k_THK, v_THV, g_TH, beta_TH, segments: Segments, use_qk_l2norm: bool):
@@ -318,8 +423,8 @@ def final_states(
     A prefill needs the state a segment ends with, to continue it one token at a time (``recurrent_step``); the
     chunked kernels return outputs only. This is their algebra without the output reads: every segment padded to
     whole chunks of the step-major ``chunk_layout``, the intra-chunk terms of all chunks at once (``_intra``, the UT
-    transform through ``UnitLowerSolve``), then the inter-chunk scan of ``_chunked_scan``, one batched matmul per step,
-    keeping each segment's state when its last chunk is done. Padding rows are zeros (``g = 0``, ``k = beta = 0``):
+    transform through ``UnitLowerSolve``), then the inter-chunk scan, a few batched matmuls per step, keeping each
+    segment's state when its last chunk is done. Padding rows are zeros (``g = 0``, ``k = beta = 0``):
     they neither decay nor write the state. Pure torch, so every backend (fla included) gets its states here.
 
     Arguments as ``gated_delta_rule``'s; the state never reads ``q`` (it is taken for the same signature). Computed

@@ -7,11 +7,11 @@ convention of flash-attn, flash-linear-attention and torch's varlen attention). 
 output independent of every other segment.
 
 The pure-torch kernels (GatedDeltaNet, conv, SDPA attention) batch all segments into one computation instead of
-looping over them in Python: they gather tokens into a padded layout (each segment padded to whole chunks or to a
-bucket length), compute, and gather back. The index maps for that are built here, once per distinct list of lengths
-(cached), from plain integer lengths.
+looping over them in Python: they move tokens into a padded layout (each segment padded to whole chunks or to a
+bucket length), compute, and move them back. The index maps for that are built here, once per distinct list of
+lengths (cached), from plain integer lengths.
 
-Legend: T = total tokens of the flattened batch, S = segments, N = chunks, C = chunk size.
+Legend: T = total tokens of the flattened batch, S = segments, N = chunks, C = chunk size, H = heads.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ class ChunkGroup:
     """Chunks in this group (one per segment for a single-chunk group)."""
     step_sizes: tuple[int, ...]
     """Chunks per scan step, as in ``ChunkLayout`` (one step for a single-chunk group)."""
-    slot_to_token: torch.Tensor
-    """int64 ``[num_chunks * C]``: global token of each padded slot, ``T`` for padding."""
+    first_row: int
+    """Where this group's ``num_chunks * H * C`` rows start in ``GroupedChunkLayout``'s head-major rows."""
 
     @property
     def single_chunk(self) -> bool:
@@ -171,13 +171,17 @@ class GroupedChunkLayout:
 
     Segments longer than the chunk size form one multi-chunk group (chunk size ``chunk_size``); shorter ones form
     single-chunk groups whose chunk size is their longest member, chosen to minimise padded work plus a fixed cost per
-    group (``grouped_chunk_layout``). The groups' flat slot arrays are concatenated in group order.
+    group (``grouped_chunk_layout``). Every (token, head) pair has one *row*: the groups one after the other, each
+    group's rows head-major (``[num_chunks, H, C]``, the layout its batched matmuls read without a copy).
     """
 
     groups: tuple[ChunkGroup, ...]
     """The chunk groups, multi-chunk group (if any) first."""
-    token_to_slot: torch.Tensor
-    """int64 ``[T]``: position of each token in the concatenation of the groups' flat slots."""
+    row_of_token_head: torch.Tensor
+    """int64 ``[T * H]``: the row of token ``t``, head ``h`` at ``t * H + h`` (each row holds at most one pair)."""
+    padding_rows: torch.Tensor
+    """int64: the rows no (token, head) pair holds (chunk padding); with ``row_of_token_head`` they are all
+    ``sum(num_chunks * H * C)`` rows."""
 
 
 def _length_class(n: int) -> int:
@@ -238,7 +242,13 @@ def _padded_slots(
 
 @functools.lru_cache(maxsize=64)
 def grouped_chunk_layout(
-    lengths: tuple[int, ...], chunk_size: int, device: torch.device, linear_cost: int = 0, group_cost: int = 0
+    lengths: tuple[int, ...],
+    chunk_size: int,
+    device: torch.device,
+    linear_cost: int = 0,
+    group_cost: int = 0,
+    num_heads: int = 1,
+    single_max: int | None = None,
 ) -> GroupedChunkLayout:
     """Build (and cache per length list) the chunk groups of segments with these lengths (see ``GroupedChunkLayout``).
 
@@ -246,42 +256,67 @@ def grouped_chunk_layout(
     taken as ``C * (C + linear_cost)``, every extra group as ``group_cost`` (the fixed cost of its kernel calls). A
     short bucket cheaper as one-chunk members of the multi-chunk group (e.g. one stray 3-token segment) joins it.
     """
-    assert chunk_size > 0
+    assert chunk_size > 0 and num_heads > 0
     lens_t = torch.tensor(lengths, dtype=torch.int64)
     starts_t = torch.cumsum(lens_t, 0) - lens_t
     total = int(lens_t.sum())
-    token_to_slot = torch.empty(total, dtype=torch.int64)
+    heads = torch.arange(num_heads)
+    row_of_token_head = torch.empty(total, num_heads, dtype=torch.int64)
     groups: list[ChunkGroup] = []
-    base = 0
-    long_segs = [s for s, n in enumerate(lengths) if n > chunk_size]
-    short = [n if n <= chunk_size else 0 for n in lengths]
+    first_row = 0
+
+    def place(tokens: torch.Tensor, slots: torch.Tensor, width: int, num_chunks: int, step_sizes: tuple[int, ...]):
+        """Group-local slots (``chunk * width + offset``) of its real tokens -> their rows, head-major."""
+        nonlocal first_row
+        chunk, offset = slots // width, slots % width
+        rows = first_row + (chunk * num_heads * width + offset)[:, None] + heads[None, :] * width
+        row_of_token_head[tokens] = rows
+        groups.append(ChunkGroup(width, num_chunks, step_sizes, first_row))
+        first_row += num_chunks * num_heads * width
+
+    single_max = chunk_size if single_max is None else single_max
+    long_segs = [s for s, n in enumerate(lengths) if n > single_max]
+    short = [n if n <= single_max else 0 for n in lengths]
     short_groups = length_buckets(short, linear_cost=linear_cost, group_cost=group_cost)
     if long_segs:
-        # A short bucket that costs more on its own than as first chunks of the scan (where it adds no step) joins it.
+        # A short bucket that costs more on its own than as chunks of the scan (where it adds no step) joins it.
+        chunk_cost = chunk_size * (chunk_size + linear_cost)
         joins = [
             segs
             for segs in short_groups
-            if len(segs) * chunk_size * (chunk_size + linear_cost)
+            if sum(-(-short[s] // chunk_size) for s in segs) * chunk_cost
             < len(segs) * max(short[s] for s in segs) * (max(short[s] for s in segs) + linear_cost) + group_cost
         ]
         short_groups = [segs for segs in short_groups if segs not in joins]
         long_segs = sorted(long_segs + [s for segs in joins for s in segs])
         sub = chunk_layout(tuple(lengths[s] for s in long_segs), chunk_size, torch.device("cpu"))
         tokens = torch.cat([torch.arange(int(starts_t[s]), int(starts_t[s]) + lengths[s]) for s in long_segs])
-        slot_to_token = torch.full((sub.num_chunks * chunk_size,), total, dtype=torch.int64)
-        real = sub.slot_to_token < tokens.numel()
-        slot_to_token[real] = tokens[sub.slot_to_token[real]]
-        token_to_slot[tokens] = sub.token_to_slot
-        groups.append(ChunkGroup(chunk_size, sub.num_chunks, sub.step_sizes, slot_to_token.to(device)))
-        base = sub.num_chunks * chunk_size
+        place(tokens, sub.token_to_slot, chunk_size, sub.num_chunks, sub.step_sizes)
     for segs in short_groups:
         idx = torch.tensor(segs, dtype=torch.int64)
         width = max(short[s] for s in segs)
-        slot_to_token, tokens, slots = _padded_slots(starts_t[idx], lens_t[idx], width, total, base)
-        token_to_slot[tokens] = slots
-        groups.append(ChunkGroup(width, len(segs), (len(segs),), slot_to_token.to(device)))
-        base += len(segs) * width
-    return GroupedChunkLayout(groups=tuple(groups), token_to_slot=token_to_slot.to(device))
+        _, tokens, slots = _padded_slots(starts_t[idx], lens_t[idx], width, total, 0)
+        place(tokens, slots, width, len(segs), (len(segs),))
+    taken = torch.zeros(first_row, dtype=torch.bool)
+    taken[row_of_token_head.view(-1)] = True
+    padding_rows = torch.nonzero(~taken).view(-1)
+    return GroupedChunkLayout(
+        groups=tuple(groups),
+        row_of_token_head=row_of_token_head.view(-1).to(device),
+        padding_rows=padding_rows.to(device),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_successors(step_sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For step-major chunks (``ChunkLayout``): the chunks that have a next chunk in their segment, and that next
+    chunk (int64, both ``[N - step_sizes[0]]``). Rank ``r`` of step ``j`` continues at rank ``r`` of step ``j + 1``
+    when ``r < step_sizes[j + 1]``."""
+    offsets = [0, *itertools.accumulate(step_sizes)]
+    pairs = [(offsets[j] + r, offsets[j + 1] + r) for j in range(len(step_sizes) - 1) for r in range(step_sizes[j + 1])]
+    has_next = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+    next_chunk = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+    return has_next.to(device), next_chunk.to(device)
 
 
 @dataclass(frozen=True)
@@ -356,8 +391,62 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return padded.index_select(0, index)
 
 
+def to_rows(x_PF: torch.Tensor, layout: GroupedChunkLayout) -> torch.Tensor:
+    """``[T * H, F]`` (token-major pairs) -> the layout's rows ``[R, F]``, padding rows zero (a GatedDeltaNet padding
+    slot then neither decays nor writes the state). Differentiable."""
+    return _ToRows.apply(x_PF, layout.row_of_token_head, layout.padding_rows)
+
+
+def from_rows(rows_RF: torch.Tensor, layout: GroupedChunkLayout) -> torch.Tensor:
+    """The layout's rows ``[R, F]`` -> ``[T * H, F]``, the inverse of ``to_rows``. Differentiable."""
+    return _FromRows.apply(rows_RF, layout.row_of_token_head, layout.padding_rows)
+
+
+class _ToRows(torch.autograd.Function):
+    """``x_PF`` scattered to the layout's rows: ``rows[row_of_pair[p]] = x[p]``, and ``padding_rows`` (every other
+    row) zero.
+
+    Each row receives at most one ``p``, so the backward is a gather (``index_select``), and ``_FromRows``' backward
+    a scatter (``index_copy``); autograd's own ``index_select`` backward accumulates (``index_add``) into zeros of the
+    source's size, and the zero row ``gather_rows`` appends costs a copy of the whole input. Only the padding rows
+    are zero-filled, not the whole buffer."""
+
+    @staticmethod
+    def forward(ctx, x_PF: torch.Tensor, row_of_pair: torch.Tensor, padding_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(row_of_pair)
+        rows_RF = x_PF.new_empty(row_of_pair.numel() + padding_rows.numel(), x_PF.shape[1])
+        return rows_RF.index_fill_(0, padding_rows, 0.0).index_copy_(0, row_of_pair, x_PF)
+
+    @staticmethod
+    def backward(ctx, grad_RF: torch.Tensor):
+        (row_of_pair,) = ctx.saved_tensors
+        return grad_RF.index_select(0, row_of_pair), None, None
+
+
+class _FromRows(torch.autograd.Function):
+    """``rows_RF[row_of_pair]``: the inverse of ``_ToRows`` (its rows of padding get no gradient)."""
+
+    @staticmethod
+    def forward(ctx, rows_RF: torch.Tensor, row_of_pair: torch.Tensor, padding_rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(row_of_pair, padding_rows)
+        return rows_RF.index_select(0, row_of_pair)
+
+    @staticmethod
+    def backward(ctx, grad_PF: torch.Tensor):
+        row_of_pair, padding_rows = ctx.saved_tensors
+        grad_RF = grad_PF.new_empty(row_of_pair.numel() + padding_rows.numel(), grad_PF.shape[1])
+        return grad_RF.index_fill_(0, padding_rows, 0.0).index_copy_(0, row_of_pair, grad_PF.contiguous()), None, None
+
+
 def clear_layout_caches() -> None:
     """Forget every cached layout (chunk groups, buckets, segment indices): the next forward of a length list pays
     its layout again, as the first step of a training run does (benchmarks and host-read counts start from here)."""
-    for cached in (chunk_layout, grouped_chunk_layout, bucket_layout, _segment_index, _position_in_segment):
+    for cached in (
+        chunk_layout,
+        grouped_chunk_layout,
+        chunk_successors,
+        bucket_layout,
+        _segment_index,
+        _position_in_segment,
+    ):
         cached.cache_clear()
