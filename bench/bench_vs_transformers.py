@@ -1,6 +1,7 @@
 """Ours (packed) vs what a user would pick instead: transformers' own Qwen3.5 with padded batches.
 
-    python bench/bench_vs_transformers.py [--reps 5] [--threads 2] [--quick] [--device cpu|cuda]
+    python bench/bench_vs_transformers.py [--reps 5] [--threads 2] [--mode steps,packer] [--pack-len 4096] [--quick]
+                                          [--device cpu|cuda]
 
 The question a user asks: how much faster is fine-tuning with vlm-sft than with transformers'
 ``Qwen3_5ForConditionalGeneration`` and padded batches (what TRL gives a VLM user), random or length-grouped?
@@ -16,8 +17,19 @@ optimizer step, the same loss (sum of token losses / trainable tokens of the ste
 - ``hf grouped``: transformers with length-grouped batches (``group_by_length``: megabatches of 50 batches of a
   random order, each sorted by length, then cut into batches), the strongest padded baseline.
 
+Two modes (``--mode``, both with ``steps,packer``):
+
+- ``steps`` (the default): ``ours packed`` trains each random step's samples back to back in one row of exactly their
+  tokens, so every contender sees the same samples in every step;
+- ``packer``: ``ours packed`` trains the rows the trainer itself trains on: the real ``PackingPipeline`` with ``bfd``
+  at ``--pack-len`` (default: the debug config's 1280 for shapes, 4096 for the long tail), one row per step, rows
+  padded to the pack length. The padded contenders get the same samples (as truncated and shifted by the packer) in
+  batches of B = the rows' average sample count, in a random order (``hf padded``, ``ours padded``) or length-grouped
+  (``hf grouped``). The steps differ, the samples do not: every contender trains on the same tokens.
+
 Before timing, the first step's loss is checked equal across ``ours packed``, ``hf padded`` and ``ours padded``
-(relative 1e-5 in float32): the contenders compute the same thing. Each repetition trains every contender over all its
+(relative 1e-5 in float32; in ``packer`` mode ``ours packed``'s first row against transformers on that row's samples
+as a padded batch): the contenders compute the same thing. Each repetition trains every contender over all its
 steps from the initial weights, interleaved slice by slice with the order rotating; a ratio is taken within each
 repetition, then the median and the range over repetitions. Workloads: the default run's ``shapes`` data (32 samples
 per step) and ``long_tail`` (``SyntheticSource``, truncated to 2048 tokens, 0-4 images, 8 samples per step). The ideal
@@ -53,6 +65,7 @@ from vlm_sft.data import build as data_build
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.pack import Pack
+from vlm_sft.data.pipeline import PackingPipeline
 from vlm_sft.data.shift import ShiftedSample, shift_sample
 from vlm_sft.data.sources import render_fn
 from vlm_sft.data.synthetic import SyntheticSource
@@ -74,21 +87,61 @@ class Workload:
     name: str
     samples: list[ShiftedSample]
     per_step: int
-    """Samples per optimizer step."""
+    """Samples per optimizer step of the padded contenders (and of ``ours packed`` in ``steps`` mode)."""
+    packs: list[Pack] | None = None
+    """``packer`` mode: the ``bfd`` packer's rows, one per step of ``ours packed`` (``samples`` are theirs, in row
+    order); None in ``steps`` mode."""
+
+    @property
+    def mode(self) -> str:
+        return "steps" if self.packs is None else "packer"
 
 
-def shapes_samples(cfg, n: int) -> list[ShiftedSample]:
+def shapes_rendered(cfg, n: int) -> list:
+    """``n`` shapes samples through the real renderer (``RenderedSample``, before truncation and shift)."""
     cfg = cfg.model_copy(deep=True)
     cfg.data.shapes.root = str(Path(tempfile.gettempdir()) / "vlm-sft-bench-shapes")
     cfg.data.shapes.num_train, cfg.data.shapes.num_eval = n, 0
     renderer = data_build.build_renderer(cfg, data_build.build_processor(cfg))
     fn = render_fn(data_build.load_sources(cfg).train, renderer)
-    return [shift_sample(truncate_sample(fn(i), cfg.data.seq_len)) for i in range(n)]
+    return [fn(i) for i in range(n)]
 
 
-def long_tail_samples(n: int, seq_len: int = 2048) -> list[ShiftedSample]:
+def shapes_samples(cfg, n: int) -> list[ShiftedSample]:
+    return [shift_sample(truncate_sample(s, cfg.data.seq_len)) for s in shapes_rendered(cfg, n)]
+
+
+LONG_TAIL_SEQ_LEN = 2048
+"""Long-tail samples are truncated to this many tokens, so padded batches fit."""
+
+
+def long_tail_rendered(n: int) -> list:
     source = SyntheticSource(n, distribution="long_tail", seed=0)
-    return [shift_sample(truncate_sample(source(i), seq_len, policy="truncate")) for i in range(n)]
+    return [source(i) for i in range(n)]
+
+
+def long_tail_samples(n: int, seq_len: int = LONG_TAIL_SEQ_LEN) -> list[ShiftedSample]:
+    return [shift_sample(truncate_sample(s, seq_len, policy="truncate")) for s in long_tail_rendered(n)]
+
+
+def packer_workload(name: str, rendered: list, *, seq_len: int, pack_len: int, truncation: str) -> Workload:
+    """The trainer's own rows: ``PackingPipeline`` with ``bfd`` (default buffer, shuffled with seed 0, one epoch) at
+    ``pack_len``; the padded contenders get the packed samples in batches of the rows' average sample count."""
+    pipeline = PackingPipeline(
+        len(rendered),
+        rendered.__getitem__,
+        seq_len=seq_len,
+        pack_len=pack_len,
+        packing="bfd",
+        truncation=truncation,
+        shuffle=True,
+        seed=0,
+        epochs=1,
+    )
+    packs = list(pipeline)
+    samples = [s for p in packs for s in p.samples]
+    per_step = max(1, round(len(samples) / len(packs)))
+    return Workload(f"{name} bfd {pack_len}", samples, per_step, packs)
 
 
 def random_steps(n: int, per_step: int, seed: int = 0) -> list[list[int]]:
@@ -222,7 +275,7 @@ def build_trainees(cfg, args, w: Workload, device: torch.device) -> dict[str, Tr
     pick = [[w.samples[i] for i in ids] for ids in random_ids]
     padded = [padded_batch(s) for s in pick]  # both models train on the very same padded batches
     batches = {
-        "ours packed": [packed_batch(s) for s in pick],
+        "ours packed": [packed_batch(s) for s in pick] if w.packs is None else [collate([p]) for p in w.packs],
         "hf padded": padded,
         "ours padded": padded,
         "hf grouped": [padded_batch([w.samples[i] for i in ids]) for ids in grouped_ids],
@@ -238,15 +291,20 @@ def build_trainees(cfg, args, w: Workload, device: torch.device) -> dict[str, Tr
     return out
 
 
-def check_parity(trainees: dict[str, Trainee], device: torch.device) -> dict[str, float]:
-    """The first step's loss of every random-batch contender (same samples), before any update."""
+def check_parity(trainees: dict[str, Trainee], w: Workload, device: torch.device) -> dict[str, float]:
+    """The first step's loss of every random-batch contender (same samples), before any update; in ``packer`` mode
+    ``ours packed``'s first row holds other samples, so it is held against transformers on that row's samples."""
+    checks = {"ours packed": "hf padded", "ours padded": "hf padded"}
+    inputs = {name: (trainees[name], trainees[name].batches[0]) for name in ("ours packed", "hf padded", "ours padded")}
+    if w.packs is not None:
+        inputs["hf on row 0"] = (trainees["hf padded"], padded_batch(list(w.packs[0].samples)))
+        checks["ours packed"] = "hf on row 0"
     losses = {}
     with torch.no_grad():
-        for name in ("ours packed", "hf padded", "ours padded"):
+        for name, (trainee, batch) in inputs.items():
             with autocast(device):
-                losses[name] = float(trainees[name].runner.loss(trainees[name].batches[0].to(device)))
-    ref = losses["hf padded"]
-    worst = max(abs(v - ref) / abs(ref) for v in losses.values())
+                losses[name] = float(trainee.runner.loss(batch.to(device)))
+    worst = max(abs(losses[a] - losses[b]) / abs(losses[b]) for a, b in checks.items())
     bound = LOSS_PARITY[device.type]
     if worst > bound:
         raise RuntimeError(f"first-step losses differ by {worst:.2e} relative (> {bound}): {losses}")
@@ -287,11 +345,16 @@ def summarize(w: Workload, trainees: dict[str, Trainee], seconds: dict[str, dict
     ours = seconds["ours packed"]
     ratios = {name: harness.ratio_stats(seconds[name]["wall"], ours["wall"]) for name in CONTENDERS[1:]}
     cpu_ratios = {name: harness.ratio_stats(seconds[name]["cpu"], ours["cpu"]) for name in CONTENDERS[1:]}
+    ours_batches = trainees["ours packed"].batches
+    ours_padding = 1 - sum(b.num_real_tokens for b in ours_batches) / sum(b.input_ids.numel() for b in ours_batches)
     return {
         "workload": w.name,
+        "mode": w.mode,
         "samples": len(w.samples),
         "samples_per_step": w.per_step,
         "steps": len(padded),
+        "ours_packed_steps": len(ours_batches),
+        "ours_packed_padding_fraction": ours_padding,
         "trainable_tokens": trainable,
         "ideal_gain_random": ideal,
         "ideal_gain_grouped": ideal_grouped,
@@ -338,6 +401,10 @@ def main() -> None:
     p.add_argument("--shapes-samples", type=int, default=640)
     p.add_argument("--long-samples", type=int, default=48)
     p.add_argument("--workloads", default="shapes,long_tail")
+    p.add_argument("--mode", default="steps", help="comma-separated: steps, packer (module docstring)")
+    p.add_argument(
+        "--pack-len", type=int, default=None, help="packer mode's bfd row length (default: 1280 shapes, 4096 long tail)"
+    )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--model", default="tiny", choices=["tiny", "0.8b"], help="the default run's model or the 0.8B shape"
@@ -354,22 +421,39 @@ def main() -> None:
         harness.set_threads(args.threads)
     cfg = load_config(harness.REPO / "configs" / "debug.toml", ["--train.device", args.device])
     makers = {
-        "shapes": lambda: Workload("shapes", shapes_samples(cfg, args.shapes_samples), 32),
-        "long_tail": lambda: Workload("long_tail", long_tail_samples(args.long_samples), 8),
+        ("steps", "shapes"): lambda: Workload("shapes", shapes_samples(cfg, args.shapes_samples), 32),
+        ("steps", "long_tail"): lambda: Workload("long_tail", long_tail_samples(args.long_samples), 8),
+        ("packer", "shapes"): lambda: packer_workload(
+            "shapes",
+            shapes_rendered(cfg, args.shapes_samples),
+            seq_len=cfg.data.seq_len,
+            pack_len=args.pack_len or cfg.data.pack_len,
+            truncation=cfg.data.truncation,
+        ),
+        ("packer", "long_tail"): lambda: packer_workload(
+            "long_tail",
+            long_tail_rendered(args.long_samples),
+            seq_len=LONG_TAIL_SEQ_LEN,
+            pack_len=args.pack_len or 2 * LONG_TAIL_SEQ_LEN,
+            truncation="truncate",
+        ),
     }
     rows = []
-    for name in args.workloads.split(","):
-        w = makers[name]()
-        trainees = build_trainees(cfg, args, w, device)
-        losses = check_parity(trainees, device)
-        print(f"{name}: {len(w.samples)} samples, first-step losses equal: {losses}", flush=True)
-        rows.append(summarize(w, trainees, time_workload(trainees, args.reps, args.slices, device)))
-        rows[-1]["first_step_loss"] = losses
+    for mode in args.mode.split(","):
+        for name in args.workloads.split(","):
+            w = makers[mode, name]()
+            trainees = build_trainees(cfg, args, w, device)
+            losses = check_parity(trainees, w, device)
+            steps = len(trainees["ours packed"].batches)
+            print(f"{w.name}: {len(w.samples)} samples, ours in {steps} steps, first-step losses equal: {losses}")
+            rows.append(summarize(w, trainees, time_workload(trainees, args.reps, args.slices, device)))
+            rows[-1]["first_step_loss"] = losses
     where = f"{torch.get_num_threads()} threads" if device.type == "cpu" else torch.cuda.get_device_name()
     kind = "tiny model, float32" if args.model == "tiny" else f"0.8B shape ({args.layers} layers), bf16 autocast"
     title = f"Ours (packed) vs transformers' Qwen3.5, trainable tokens/s, {kind}, {args.device} ({where})"
     table = harness.print_table(title, COLUMNS, table_rows(rows))
     meta = {"threads": torch.get_num_threads(), "device": args.device, "reps": args.reps, "slices": args.slices}
+    meta |= {"modes": args.mode.split(","), "pack_len": args.pack_len}
     meta |= {"model": args.model, "layers": args.layers if args.model != "tiny" else None}
     harness.write_results(RESULTS_NAME, {"meta": meta, "table": table, "workloads": rows}, path=args.out)
 

@@ -20,6 +20,8 @@ fi
 "$PY" bench/bench_train_throughput.py
 "$PY" bench/bench_vs_transformers.py
 "$PY" bench/bench_vs_transformers.py --threads 2 --out bench/results/vs_transformers_2threads.json
+"$PY" bench/bench_vs_transformers.py --mode packer --out bench/results/vs_transformers_packer.json
+"$PY" bench/bench_vs_transformers.py --mode packer --threads 2 --out bench/results/vs_transformers_packer_2threads.json
 "$PY" bench/bench_lora.py
 "$PY" bench/bench_moe.py
 "$PY" bench/bench_cp.py

@@ -48,6 +48,14 @@ def _train_throughput(d: dict) -> dict:
 
 
 @figures(
+    "vs_transformers_packer_2threads",
+    "vs_transformers_packer_2threads.json",
+    "workloads[].ours_packed_over, workloads[].ideal_gain_*",
+)
+@figures(
+    "vs_transformers_packer", "vs_transformers_packer.json", "workloads[].ours_packed_over, workloads[].ideal_gain_*"
+)
+@figures(
     "vs_transformers_2threads",
     "vs_transformers_2threads.json",
     "workloads[].ours_packed_over, workloads[].ideal_gain_*",
