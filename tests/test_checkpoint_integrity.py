@@ -105,6 +105,26 @@ def test_the_manifest_covers_every_file_and_its_digest_is_a_hash_list(two_saved)
     assert verify_checkpoint(newest).ok and verify_checkpoint(newest).has_manifest
 
 
+def test_every_file_the_marker_vouches_for_is_on_disk_before_the_rename(tmp_path, monkeypatch):
+    """Each file of a checkpoint (the sealed ``hf/`` included), its manifest, its marker and the folder are
+    ``fsync``ed, and the parent after the rename: a node that loses power after the save does not leave a folder
+    the marker calls complete with its blocks still in the page cache. Without the syncs nothing is recorded."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    model, opt = _toy()
+    final = _save(tmp_path, 1, model, opt)
+    on_disk = {str(p).replace(str(final), "") for p in final.rglob("*") if p.is_file()}
+    written = {p.replace(str(final.with_name(final.name + ".tmp")), "") for p in synced}
+    assert on_disk <= written, on_disk - written
+    assert str(final.with_name(final.name + ".tmp")) in synced and str(tmp_path / "checkpoints") in synced
+
+
 def _truncate(path: Path) -> None:
     os.truncate(path, path.stat().st_size // 2)
 

@@ -273,9 +273,11 @@ def _write_checkpoint(
     with all_ranks_or_none(env, f"completing the checkpoint {final}"):
         if env.is_main:
             (tmp / COMPLETE_MARKER).write_text(marker_text(state.step, env.world_size, digest), encoding="utf-8")
+            integrity.sync_files([tmp / COMPLETE_MARKER, tmp])
             if final.exists():
                 shutil.rmtree(final)
             tmp.rename(final)
+            integrity.sync_files([final.parent])
 
 
 def _writer_rank(relative: str) -> int:
