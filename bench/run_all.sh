@@ -27,6 +27,7 @@ fi
 "$PY" bench/bench_cp.py
 "$PY" bench/bench_ep.py
 "$PY" bench/bench_load.py
+"$PY" bench/bench_memory_plan.py
 "$PY" bench/calibrate_packing_check.py
 PYTHON="$PY" bash bench/default_run_seeds.sh
 "$PY" bench/summarize.py

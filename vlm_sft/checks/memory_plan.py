@@ -20,7 +20,10 @@ the checkpoint on disk (2 for the released bf16 checkpoints), ``S`` the checkpoi
   gradient until the step's last micro-batch) + gathered weights ``c (n_root + 2 n_unit) + 4 n_unit_t`` (FSDP2 keeps
   the root unit, embeddings + LM head + final norm, gathered through forward and backward, gathers one decoder
   layer or the vision tower at a time with one prefetched, and holds that unit's unsharded fp32 gradient before its
-  reduce-scatter) + activations (``checks.activations.activation_bytes``, one micro-batch's graph). With
+  reduce-scatter) + activations (``checks.activations.activation_bytes``, one micro-batch's graph, for the
+  kernels of ``planned_backends``). The gradients and the activations are added, an upper bound: a backward frees
+  the activations as it makes the gradients, and with one micro-batch a step the gradients are freed after each
+  optimizer step, so the two never coexist in full (measured on the CPU: ``bench/bench_memory_plan.py``). With
   ``train.optimizer_offload`` the AdamW state is on the host between steps: training is then the larger of the
   forward / backward peak (everything above but the AdamW state and the step's temporaries) and the step's
   (parameters, gradients, accumulated gradients, AdamW state, temporaries). Under expert parallelism
@@ -47,12 +50,15 @@ from torch import nn
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
 from vlm_sft.checks.activations import (
+    EP_IMBALANCE,
     FP32,
+    GPU_BACKENDS,
     StepShape,
     activation_bytes,
     expert_parallel_bytes,
 )
 from vlm_sft.config import TINY_MODELS, ConfigError, LoraSettings, RunConfig, cli_parser, parse_cli
+from vlm_sft.model.backends import Backends
 from vlm_sft.model.presets import qwen3_5_0_8b_config, qwen3_5_9b_config, qwen3_5_27b_config, qwen3_5_35b_a3b_config
 
 GB = 1e9
@@ -227,12 +233,13 @@ def plan(
     optimizer_impl: str = "fused",
     ep_size: int = 1,
     optimizer_offload: bool = False,
+    ep_imbalance: float = EP_IMBALANCE,
 ) -> MemoryPlan:
     """The plan of one rank (module docstring). ``local_param_bytes`` / ``local_trainable``: this rank's real shard
     (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even split, ``1 / W`` of
     everything but expert parallelism's experts, ``1 / ep`` of those (``ep_size``: ``train.ep_size``).
     ``optimizer_impl``, ``optimizer_offload``: the run's ``train.optimizer_impl`` and ``train.optimizer_offload``
-    (their defaults here too)."""
+    (their defaults here too); ``ep_imbalance``: the routing imbalance planned under expert parallelism."""
     w = world_size if sharded else 1
     ep = ep_size if counts.experts else 1
     if local_param_bytes is None:
@@ -260,7 +267,7 @@ def plan(
         accumulated_grads=FP32 * (counts.trainable - (counts.experts_trainable if ep > 1 else 0)) if accumulate else 0,
         gathered_weights=gathered,
         activations=activation_bytes(config, step, counts),
-        expert_dispatch=expert_parallel_bytes(config, step, ep),
+        expert_dispatch=expert_parallel_bytes(config, step, ep, ep_imbalance),
         save_gathered=counts.largest * (FP32 + checkpoint_elem_bytes),
         save_output_shard=min(MAX_SHARD_BYTES, size),
     )
@@ -269,21 +276,51 @@ def plan(
 # ------------------------------------------------------------------------------------------------ from a config
 
 
-def step_shape(cfg: RunConfig, config: Qwen3_5Config | Qwen3_5MoeConfig, compute_bytes: int) -> StepShape:
-    """One micro-batch of ``cfg`` computed in ``compute_bytes`` per element: one row of ``pack_len`` (packed modes; ``stack``: ``stack_batch_size`` rows of up
-    to ``seq_len``), split over ``cp_size``; patches bounded by ``max_image_patches_per_pack`` or by every token being
-    an image token (``merge^2`` patches each)."""
+def step_shape(
+    cfg: RunConfig, config: Qwen3_5Config | Qwen3_5MoeConfig, compute_bytes: int, backends: Backends = GPU_BACKENDS
+) -> StepShape:
+    """One micro-batch of ``cfg`` computed in ``compute_bytes`` per element with ``backends``: one row of
+    ``pack_len`` (packed modes; ``stack``: ``stack_batch_size`` rows of up to ``seq_len``), split over ``cp_size``;
+    patches bounded by ``max_image_patches_per_pack`` or by every token being an image token (``merge^2`` patches
+    each); the router probabilities kept when the load-balancing loss trains (``model.router_aux_loss_coef``, else
+    the checkpoint's)."""
     d = cfg.data
     rows, length = (d.stack_batch_size, d.seq_len) if d.packing == "stack" else (1, d.pack_len)
     tokens = rows * length
     patches = tokens * config.vision_config.spatial_merge_size**2
     if d.max_image_patches_per_pack is not None:
         patches = min(patches, rows * d.max_image_patches_per_pack)
+    coef = cfg.model.router_aux_loss_coef
+    if coef is None:
+        coef = getattr(config.text_config, "router_aux_loss_coef", 0.0) or 0.0
     return StepShape(
         tokens=tokens // cfg.train.cp_size,
         activation_checkpointing=cfg.model.activation_checkpointing,
         compute_bytes=compute_bytes,
         vision_patches=patches,
+        backends=backends,
+        router_probs_grad=coef > 0,
+    )
+
+
+def planned_backends(cfg: RunConfig, device_type: str) -> Backends:
+    """The kernels a plan of ``cfg`` assumes: on the CPU what a CPU run resolves (``resolve_backends("cpu")``); on
+    CUDA each backend the config names, and for ``auto`` those of ``GPU_BACKENDS`` (flash-attn and
+    flash-linear-attention installed, the README's set-up), on any machine, so a plan made on a laptop and the
+    README's table agree. ``--dry-run`` plans with the model's own, resolved kernels instead."""
+    m = cfg.model
+    if device_type == "cpu":
+        from vlm_sft.model.backends import resolve_backends
+
+        return resolve_backends("cpu", m.attn_impl, m.linear_attn_impl, m.loss_impl, m.experts_impl)
+    gpu = GPU_BACKENDS
+    linear = gpu.linear_attention if m.linear_attn_impl == "auto" else m.linear_attn_impl
+    return Backends(
+        attention=gpu.attention if m.attn_impl == "auto" else m.attn_impl,
+        linear_attention=linear,
+        conv="torch" if linear == "torch" else gpu.conv,
+        loss=gpu.loss if m.loss_impl == "auto" else m.loss_impl,
+        experts=gpu.experts if m.experts_impl == "auto" else m.experts_impl,
     )
 
 
@@ -328,18 +365,21 @@ def meta_counts(
     return ModelCounts.of_model(model)
 
 
-def plan_for_run(cfg: RunConfig, world_size: int, *, device_type: str = "cuda") -> MemoryPlan:
-    """The plan of ``cfg`` on ``world_size`` ranks, without a model (meta counts of the model it would build)."""
+def plan_for_run(
+    cfg: RunConfig, world_size: int, *, device_type: str = "cuda", ep_imbalance: float = EP_IMBALANCE
+) -> MemoryPlan:
+    """The plan of ``cfg`` on ``world_size`` ranks, without a model (meta counts of the model it would build);
+    ``device_type`` picks the kernels it plans for (``planned_backends``)."""
     config = hf_config_for(cfg)
     bf16 = cfg.model.dtype == "bfloat16"
     freeze = cfg.model.vlm is None or cfg.model.vlm.freeze_vision
     counts = meta_counts(config, lora=cfg.model.lora, bf16=bf16, freeze_vision=freeze)
-    step = step_shape(cfg, config, 2 if bf16 else FP32)
+    step = step_shape(cfg, config, 2 if bf16 else FP32, planned_backends(cfg, device_type))
     sharded = world_size > 1 or device_type == "cuda"
     return plan(
         counts, config, step, world_size=world_size, sharded=sharded, micro_batches=cfg.train.micro_batches,
         grad_sync=cfg.train.grad_sync, optimizer_impl=cfg.train.optimizer_impl, ep_size=cfg.train.ep_size,
-        optimizer_offload=cfg.train.optimizer_offload,
+        optimizer_offload=cfg.train.optimizer_offload, ep_imbalance=ep_imbalance,
     )  # fmt: skip
 
 

@@ -226,7 +226,7 @@ def report(
     table = _measure(env, model).long().tolist()
     counts = ModelCounts.of_model(model)
     compute_bytes = 2 if compute_dtype == torch.bfloat16 else 4
-    step = step_shape(cfg, model.config, compute_bytes)
+    step = step_shape(cfg, model.config, compute_bytes, model.backends)
     source = weights_source  # the loader's index: tensor bytes and dtype from the headers, read once
     size = None if source is None else source.total_bytes
     elem_bytes = 2 if source is None else source.dtype.itemsize  # no checkpoint: plan as the bf16 releases
