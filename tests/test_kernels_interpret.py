@@ -20,10 +20,12 @@ rule) and to ``MIN_FLOOR_REL``, and a test asserts ``leak / floor <= bound``. Me
 | gated delta rule        | 0.62    | 2.2      | ``RATIO_BOUND`` = 4 |
 | causal conv             | 0.37    | 0.53     | ``RATIO_BOUND`` = 4 |
 | fused loss              | 0.82    | 2.2      | ``RATIO_BOUND`` = 4 |
-| whole model (gradients) | 15.7    |          | ``MODEL_BOUND`` = 32 |
+| whole model (gradients) | 56.6    |          | ``MODEL_BOUND`` = 128 |
 
-The model's worst is ``A_log``'s gradient (a sum over tokens that cancels): fla's gate gradient carries ~16x our
-float32 rounding there (0.9e-3 relative); every other parameter stays within a few times the floor.
+The model's worst is ``A_log``'s gradient (a sum over tokens that cancels): fla's gate gradient carries 1.0e-3
+relative error there, ~57x our float32 rounding (1.8e-5) since our torch path runs chunks of 16 for the tiny model's
+key heads (``gdn.default_chunk_size``; with chunks of 64 our floor was ~3x larger and the ratio 15.7); every other
+parameter stays within a few times the floor. The bugs below give 1e4 and more.
 
 The lane fails for the bugs it exists for (each tried by hand on the code, then reverted; ratios are leak / floor):
 
@@ -60,9 +62,10 @@ pytestmark = pytest.mark.interpret
 LENS = [5, 0, 150, 1, 40]
 """A zero-length segment, one of 1 token (shorter than the conv), one over two chunks of 64 (the inter-chunk state
 and the gate-gradient scan), one under a chunk."""
-MODEL_BOUND = 32.0
+MODEL_BOUND = 128.0
 """Whole-model float32 ratio bound (the kernels use the packing check's ``RATIO_BOUND``): ``A_log``'s gradient, a sum
-over tokens that cancels, comes out of fla's gate gradient with ~16x our rounding (see the module docstring)."""
+over tokens that cancels, comes out of fla's gate gradient with ~57x our rounding (see the module docstring); a leak
+across segments gives 1e4 and more."""
 DTYPES = [torch.float32, torch.bfloat16]
 FLA = Backends(attention="sdpa", linear_attention="fla", conv="fla", loss="fla_fused")
 TORCH = Backends(attention="sdpa", linear_attention="torch", conv="torch", loss="chunked")
