@@ -183,18 +183,14 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     import tempfile
 
-    from big_checkpoints import layers_for, write_checkpoint
+    from big_checkpoints import write_with_baselines
 
     from vlm_sft.data.shapes import materialize_shapes
 
     args = parse_args()
     with harness.wall_clock() as meta, tempfile.TemporaryDirectory(prefix="bench_load_") as scratch:
         work = args.work or Path(scratch)
-        checkpoints = {}
-        for kind in args.kinds:
-            layers = layers_for(kind, args.size_mib * MIB)
-            checkpoints[kind] = write_checkpoint(work / f"ck-{kind}", kind, layers)
-            checkpoints[f"{kind}_baseline"] = write_checkpoint(work / f"ck-{kind}-baseline", kind, 4, hidden=64)
+        checkpoints = write_with_baselines(work, args.kinds, args.size_mib * MIB)
         shapes = work / "shapes"
         materialize_shapes(shapes, num_train=96, num_eval=0, progress=False)
         rows = [measure(kind, n, checkpoints, work, shapes) for kind in args.kinds for n in args.ranks]

@@ -297,17 +297,14 @@ def samples_needed(pack_len: int, ranks: int) -> int:
 
 
 def main() -> None:
-    from big_checkpoints import layers_for, write_checkpoint
+    from big_checkpoints import write_with_baselines
 
     from vlm_sft.data.shapes import materialize_shapes
 
     args = parse_args()
     with harness.wall_clock() as meta, tempfile.TemporaryDirectory(prefix="bench_memory_plan_") as scratch:
         work = args.work or Path(scratch)
-        checkpoints = {}
-        for kind in args.kinds:
-            checkpoints[kind] = write_checkpoint(work / f"ck-{kind}", kind, layers_for(kind, args.size_mib * MIB))
-            checkpoints[f"{kind}_baseline"] = write_checkpoint(work / f"ck-{kind}-baseline", kind, 4, hidden=64)
+        checkpoints = write_with_baselines(work, args.kinds, args.size_mib * MIB)
         setup = {"work": work, "shapes": work / "shapes", "pack_len": args.pack_len}
         setup["num_train"] = samples_needed(args.pack_len, max(args.ranks))
         materialize_shapes(setup["shapes"], num_train=setup["num_train"], num_eval=0, progress=False)

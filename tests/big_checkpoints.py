@@ -182,10 +182,25 @@ def cached_checkpoint(
     return write_checkpoint(directory, kind, layers)
 
 
+BASELINE_LAYERS, BASELINE_HIDDEN = 4, 64
+"""The baseline of a memory measurement: the same kind at hidden 64 and 4 layers (about 1 MiB), written the same way,
+so that "peak - baseline" leaves the model's own bytes."""
+
+
 def tiny_baseline(factory: pytest.TempPathFactory, kind: str) -> BigCheckpoint:
-    """The baseline of a memory test: the same kind at hidden 64 and 4 layers (about 1 MiB), written the same way, so
-    that "peak - baseline" leaves the model's own bytes."""
+    """The baseline of a memory test (``BASELINE_LAYERS``, ``BASELINE_HIDDEN``), written once per pytest session."""
     directory = factory.getbasetemp() / f"big_checkpoint_{kind}_baseline"
     if (directory / COMPLETE).is_file():
         return read_checkpoint(directory, kind)
-    return write_checkpoint(directory, kind, 4, hidden=64)
+    return write_checkpoint(directory, kind, BASELINE_LAYERS, hidden=BASELINE_HIDDEN)
+
+
+def write_with_baselines(work: Path, kinds: list[str], size: int) -> dict[str, BigCheckpoint]:
+    """For each of ``kinds``: a checkpoint near ``size`` bytes under ``kind`` and its baseline under
+    ``<kind>_baseline`` (the memory benches' "peak - baseline"), written into ``work``."""
+    checkpoints = {}
+    for kind in kinds:
+        checkpoints[kind] = write_checkpoint(work / f"ck-{kind}", kind, layers_for(kind, size))
+        baseline = write_checkpoint(work / f"ck-{kind}-baseline", kind, BASELINE_LAYERS, hidden=BASELINE_HIDDEN)
+        checkpoints[f"{kind}_baseline"] = baseline
+    return checkpoints
