@@ -86,9 +86,8 @@ def copy_to(t: torch.Tensor, device: torch.device, *, pin_memory: bool = False) 
     page-locked host memory (CUDA runs), so both directions of the copy run asynchronously."""
     if isinstance(t, DTensor):
         local = copy_to(t.to_local(), device, pin_memory=pin_memory)
-        return DTensor(
-            local, t._spec, requires_grad=False
-        )  # DTensor.from_local would move the shard to the mesh's device
+        # From the spec: DTensor.from_local would move the shard to the mesh's device.
+        return DTensor(local, t._spec, requires_grad=False)
     if pin_memory:
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
     return t.to(device, non_blocking=True, copy=True)

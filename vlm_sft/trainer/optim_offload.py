@@ -39,12 +39,19 @@ class OptimizerStateOffload:
         optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self.to_host())
         optimizer.register_load_state_dict_post_hook(lambda _opt: self.to_host())
 
+    def _held(self) -> list[tuple[dict, str, torch.Tensor]]:
+        """``(state, key, tensor)`` of every state tensor the offload moves. The step counters (0-dim) stay where
+        the implementation keeps them (foreach: on the host)."""
+        return [
+            (state, key, value)
+            for state in self.optimizer.state.values()
+            for key, value in state.items()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        ]
+
     def _move(self, device: torch.device, *, pin_memory: bool) -> None:
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                # The step counters (0-dim) stay where the implementation keeps them (foreach: on the host).
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    state[key] = copy_to(value, device, pin_memory=pin_memory)
+        for state, key, value in self._held():
+            state[key] = copy_to(value, device, pin_memory=pin_memory)
 
     def to_device(self) -> None:
         """Before a step: the state on the parameters' device (the first step creates it there)."""
@@ -66,12 +73,7 @@ class OptimizerStateOffload:
 
     def state_bytes(self) -> int:
         """Bytes of state held (on the host between steps): what the offload takes out of the device's peak."""
-        total = 0
-        for state in self.optimizer.state.values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    total += _local(value).numel() * value.element_size()
-        return total
+        return sum(_local(value).numel() * value.element_size() for _, _, value in self._held())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
