@@ -107,7 +107,7 @@ def worker(out_dir: Path, args: list[str]) -> int:
 
     probes: list[tuple[str, int, int]] = []
     slots = [0, 0]  # received, sent
-    train_step, finish_gradients = loop.train_step, loop.finish_gradients
+    train_step, clip = loop.train_step, loop._clip
     exchange_counts = expert_parallel._exchange_counts
 
     def probed_step(run, step):
@@ -116,9 +116,9 @@ def worker(out_dir: Path, args: list[str]) -> int:
         probes.append((f"step {run.step + 1} end", *host_memory()))
         return out
 
-    def probed_finish(model):
+    def probed_clip(model, max_norm):
         probes.append(("backward done", *host_memory()))
-        return finish_gradients(model)
+        return clip(model, max_norm)
 
     def counted_exchange(ends, ep):
         send, recv = exchange_counts(ends, ep)
@@ -126,7 +126,7 @@ def worker(out_dir: Path, args: list[str]) -> int:
         return send, recv
 
     # Each is resolved through its module at every call: one place to probe.
-    loop.train_step, loop.finish_gradients = probed_step, probed_finish
+    loop.train_step, loop._clip = probed_step, probed_clip
     expert_parallel._exchange_counts = counted_exchange
     rc = bench_load.worker(out_dir, args)
     rank = int(os.environ.get("RANK", "0"))

@@ -69,7 +69,7 @@ from vlm_sft.model.presets import qwen3_5_0_8b_config, qwen3_5_35b_a3b_config
 from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
 from vlm_sft.parallel.fsdp import clip_grad_norm_
 from vlm_sft.parallel.mesh import ParallelMesh
-from vlm_sft.parallel.parallelize import apply_context_parallel, finish_gradients, parallelize
+from vlm_sft.parallel.parallelize import apply_context_parallel, parallelize
 from vlm_sft.trainer.metrics import ModuleTimer
 
 RESULTS = harness.results_path("gpu_bench")
@@ -175,8 +175,6 @@ class Bench:
             for p in self.model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.cp.group)
-        if self.mesh is not None:  # expert parallelism's expert gradients (FSDP2 reduced the rest)
-            finish_gradients(self.model)
         self._sync()
         t2 = time.perf_counter()
         clip_grad_norm_(self.model.parameters(), 1.0)  # per mesh (the experts' and FSDP2's), as the trainer clips

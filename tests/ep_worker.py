@@ -2,8 +2,8 @@
 
 Every rank builds the same ``Experts`` (4 experts) and the same tokens, splits the tokens between the ranks (rank r
 computes tokens ``r::world``), runs them through expert parallelism over all ranks (ep = world size), and writes its
-outputs, its input gradient and its experts' gradient (summed over the ranks, as ``reduce_expert_gradients`` does
-before dividing) to ``$EP_OUT/<case>-rank<R>.pt``, for routings that leave an expert, or a whole rank, without a token.
+outputs, its input gradient and its experts' gradient (gathered whole; not FSDP2-sharded, so not divided by the world
+size) to ``$EP_OUT/<case>-rank<R>.pt``, for routings that leave an expert, or a whole rank, without a token.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def inputs(case: str, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def main() -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (size,), mesh_dim_names=("ep",))
-    ep = ExpertParallel(mesh, rank, size, None, size)
+    mesh = init_device_mesh("cpu", (1, size), mesh_dim_names=("edp", "ep"))
+    ep = ExpertParallel(mesh["ep"], rank, size, mesh["edp"], size)
     cfg = tiny_qwen3_5_moe_config().text_config
     for case in CASES:
         torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """One rank of the sharded self-check test (``test_self_check.py``), launched by torchrun over gloo on 2 processes.
 
-Every rank builds the same tiny model (dense, MoE, dense with LoRA over a bf16 base, MoE with its experts held by
-expert-parallel groups of one rank, i.e. one copy per rank); rank 0 first builds the packing check's slice of the
+Every rank builds the same tiny model (dense, MoE, dense with LoRA over a bf16 base, MoE spread as expert parallelism
+spreads it); rank 0 first builds the packing check's slice of the
 unsharded model alone; then the model is ``fully_shard``-ed over both ranks and every rank builds the slice again
 (its gathers are collectives). Rank 0 saves both slices' state dicts and flags to
 ``$SLICE_OUT/<name>.pt``; then every rank runs the trainer's ``run_packing_check`` on the sharded tiny run
@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -30,9 +29,8 @@ from vlm_sft.data import build as data_build
 from vlm_sft.model import build_model, tiny_qwen3_5_config, tiny_qwen3_5_moe_config
 from vlm_sft.model.lora import attach_lora, store_frozen_in
 from vlm_sft.parallel.env import DistEnv
-from vlm_sft.parallel.expert_parallel import ExpertParallel, shard_experts, wrap_experts
-from vlm_sft.parallel.fsdp import fully_shard_units
-from vlm_sft.parallel.parallelize import fsdp_units, routed_experts, shard_model
+from vlm_sft.parallel.mesh import build_mesh
+from vlm_sft.parallel.parallelize import parallelize, shard_model
 
 VOCAB = torch.tensor(sorted({0, 3, 1040, 1041, 2047, tiny_qwen3_5_config().text_config.pad_token_id}))
 """Ids on both ranks' halves of the vocabulary (2081 rows: rank 0 holds 0-1040), the pad id among them."""
@@ -55,16 +53,10 @@ def models():
     yield "moe_ep", build_model(moe, freeze_vision=False), SliceShape((0, 3), 1, experts=3, top_k=2, mlp_width=24)
 
 
-def expert_copies(model, env):
-    """``model`` spread as expert parallelism spreads it with two copies of the experts (groups of one rank, ``edp``
-    2): each rank holds every expert, the rest is FSDP2-sharded over both ranks."""
-    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("edp", "ep"))
-    ep = ExpertParallel(mesh["ep"], 0, 1, mesh.get_group("edp"), env.world_size)
-    experts, ignored = routed_experts(model), set()
-    for module in experts:
-        ignored.update(shard_experts(module, ep))
-    wrap_experts(experts, ep)
-    return fully_shard_units(fsdp_units(model), model, init_device_mesh("cpu", (2,)), ignored=ignored)
+def expert_parallel(model, env):
+    """``model`` spread as the trainer spreads it with ``train.ep_size = 2``: each rank holds 2 of the 4 experts of
+    every layer (on the ``(edp, ep)`` mesh), the rest is FSDP2-sharded over both ranks."""
+    return parallelize(model, build_mesh(env, ep_size=2))
 
 
 def state(model) -> dict:
@@ -81,7 +73,7 @@ def main() -> None:
     out = Path(os.environ["SLICE_OUT"])
     for name, model, shape in models():
         alone = build_slice(copy.deepcopy(model), VOCAB, shape=shape) if rank == 0 else None
-        spread = expert_copies(model, env) if name == "moe_ep" else shard_model(model, env)
+        spread = expert_parallel(model, env) if name == "moe_ep" else shard_model(model, env)
         sharded = build_slice(spread, VOCAB, env, shape)
         assert (sharded is None) == (rank != 0)
         if rank == 0:

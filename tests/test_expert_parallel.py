@@ -5,9 +5,10 @@
   gradients, and each expert's gradient).
 - The trainer: ep 2 on 2 processes == 1 process with 2 micro-batches (losses, router statistics, gradient norms and
   the final weights), with activation checkpointing on; ep 2 with 2 micro-batches and ep 2 x dp 2 on 4 processes ==
-  1 process with 4; an ep 2 checkpoint resumed on 1 process continues with the
-  uninterrupted losses; a checkpoint loaded with ep 2 and exported after a step at lr 0 is the input bit for bit; a
-  dense model, or sizes that do not divide, are refused with the fix.
+  1 process with 4; under ep 2 x dp 2 each expert row is held (and saved) by one rank only; an ep 2 checkpoint and an
+  ep 2 x dp 2 one resumed on 1 process, and a 1-process one resumed with ep 2, continue with the uninterrupted
+  losses; a checkpoint loaded with ep 2 x dp 2 and exported after a step at lr 0 is the input bit for bit; a dense
+  model, or sizes that do not divide, are refused with the fix.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from train_helpers import Background, launch_env, read_metrics, tiny_run_args
 from vlm_sft.config import REPO_ROOT, ConfigError, load_config
 from vlm_sft.model import tiny_qwen3_5_moe_config
 from vlm_sft.model.moe import Experts, sorted_experts_mlp
+from vlm_sft.parallel.dcp import SafeReader
 from vlm_sft.parallel.mesh import ParallelDims
 
 WORKER = str(Path(__file__).resolve().parent / "ep_worker.py")
@@ -89,7 +91,8 @@ COMMON = {
 @pytest.fixture(scope="module")
 def ep_runs(tmp_path_factory) -> dict[str, Path]:
     """1 process with 2 micro-batches, and ep 2 on 2 processes (activation checkpointing on): the same global batch.
-    Then the ep 2 run's step-2 checkpoint resumed on 1 process."""
+    Then the ep 2 run's step-2 checkpoint resumed on 1 process, the 1-process run's resumed with ep 2, and the
+    1-process run's final/ loaded with ep 2 x dp 2 on 4 processes for a step at lr 0."""
     root = tmp_path_factory.mktemp("ep_runs")
     layouts = {
         "1": (1, {"train.micro_batches": 2}),
@@ -105,11 +108,13 @@ def ep_runs(tmp_path_factory) -> dict[str, Path]:
         "train.max_steps": 1,
         "train.ep_size": 2,
     }  # fmt: skip
+    reverse = {"train.ep_size": 2, "train.resume": str(root / "1" / "run" / "checkpoints" / "step-000002")}
     later = [Background(tiny_run_args(root / "resumed", **COMMON, **resumed))]
-    later.append(Background(tiny_run_args(root / "lr0", **(COMMON | frozen)), nproc=2))
+    later.append(Background(tiny_run_args(root / "reverse", **COMMON, **reverse), nproc=2))
+    later.append(Background(tiny_run_args(root / "lr0", **(COMMON | frozen)), nproc=4))
     for run in later:
-        run.wait(300)
-    return {name: root / name / "run" for name in (*layouts, "resumed", "lr0")}
+        run.wait(420)
+    return {name: root / name / "run" for name in (*layouts, "resumed", "reverse", "lr0")}
 
 
 def _losses(run: Path) -> list[tuple]:
@@ -132,21 +137,24 @@ def test_ep2_equals_one_process(ep_runs):
 @pytest.fixture(scope="module")
 def wide_runs(tmp_path_factory) -> dict[str, Path]:
     """A global batch of 4 packs three ways: 1 process with 4 micro-batches; ep 2 on 2 processes with 2 micro-batches
-    each (gradients accumulated before the expert reduction); ep 2 x dp 2 on 4 processes (two copies of the experts,
-    reduced over ``edp``)."""
+    each (gradients accumulated before the expert reduction); ep 2 x dp 2 on 4 processes (each rank's 2 experts
+    FSDP2-sharded over the 2 ``edp`` ranks, reduced there), with a checkpoint after step 1 that 1 process resumes."""
     root = tmp_path_factory.mktemp("ep_wide")
     steps = {"train.max_steps": 2, "train.save_every": "none"}
     layouts = {
         "1x4": (1, {"train.micro_batches": 4}),
         "ep2_mb2": (2, {"train.ep_size": 2, "train.micro_batches": 2}),
-        "ep2_dp2": (4, {"train.ep_size": 2}),
+        "ep2_dp2": (4, {"train.ep_size": 2, "train.save_every": 1}),
     }
     runs = [
         Background(tiny_run_args(root / n, **(COMMON | steps | extra)), nproc=p) for n, (p, extra) in layouts.items()
     ]
     for run in runs:
         run.wait(420)
-    return {name: root / name / "run" for name in layouts}
+    checkpoint = root / "ep2_dp2" / "run" / "checkpoints" / "step-000001"
+    resumed = {"train.micro_batches": 4, "train.resume": str(checkpoint)}
+    Background(tiny_run_args(root / "resumed", **(COMMON | steps | resumed))).wait(300)
+    return {name: root / name / "run" for name in (*layouts, "resumed")}
 
 
 @pytest.mark.parametrize("layout", ["ep2_mb2", "ep2_dp2"])
@@ -157,16 +165,31 @@ def test_ep2_with_micro_batches_or_copies_equals_one_process(wide_runs, layout):
         assert b[1:] == pytest.approx(a[1:], rel=1e-5), (layout, a, b)
 
 
-def test_an_ep2_checkpoint_resumes_on_one_process(ep_runs):
-    resumed = _losses(ep_runs["resumed"])
-    assert [r[0] for r in resumed] == [3]
-    assert resumed[0][1:] == pytest.approx(_losses(ep_runs["1"])[2][1:], rel=1e-5)
-    state = json.loads((ep_runs["ep2"] / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
-    assert state["world_size"] == 2
+def test_ep2_x_dp2_shards_each_expert_once_and_resumes_on_one_process(wide_runs):
+    """Every expert row is saved by exactly one of the 4 ranks (copies of the experts on the 2 ``edp`` ranks would be
+    2 chunks of 2 rows, saved once each); the checkpoint resumes on 1 process to the uninterrupted step 2."""
+    metadata = SafeReader(str(wide_runs["ep2_dp2"] / "checkpoints" / "step-000001")).read_metadata()
+    experts = {k: v for k, v in metadata.state_dict_metadata.items() if k.startswith("model.") and ".experts." in k}
+    assert experts and all(v.size[0] == 4 for v in experts.values())
+    for key, value in experts.items():
+        assert sorted((c.offsets[0], c.sizes[0]) for c in value.chunks) == [(e, 1) for e in range(4)], key
+    resumed = _losses(wide_runs["resumed"])
+    assert [r[0] for r in resumed] == [2]
+    assert resumed[0][1:] == pytest.approx(_losses(wide_runs["1x4"])[1][1:], rel=1e-5)
+
+
+def test_an_ep2_checkpoint_resumes_on_one_process_and_the_reverse(ep_runs):
+    for name, source in (("resumed", "ep2"), ("reverse", "1")):
+        resumed = _losses(ep_runs[name])
+        assert [r[0] for r in resumed] == [3], name
+        assert resumed[0][1:] == pytest.approx(_losses(ep_runs["1"])[2][1:], rel=1e-5), name
+        state = json.loads((ep_runs[source] / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+        assert state["world_size"] == {"ep2": 2, "1": 1}[source]
 
 
 def test_an_ep2_export_at_lr_0_is_the_input_checkpoint_bit_for_bit(ep_runs):
-    """The sharded load puts each expert on its rank, the streamed export gathers it back: nothing changes a bit."""
+    """The sharded load puts each expert row on its rank (ep 2 x dp 2: one of 4 rows per rank), the streamed export
+    gathers it back: nothing changes a bit."""
     source, exported = ({} for _ in range(2))
     for folder, out in ((ep_runs["1"] / "final", source), (ep_runs["lr0"] / "final", exported)):
         for path in sorted(folder.glob("*.safetensors")):
@@ -186,9 +209,9 @@ def test_sizes_that_do_not_fit_are_refused_with_the_fix(tmp_path):
 
 
 def test_the_plan_counts_each_ranks_experts_and_the_dispatch():
-    """The memory plan under expert parallelism (estimates, no model built): each rank holds 1/ep of the experts
-    whole (copies where ep is below the world size), FSDP2 gathers the layers without them, the dispatch adds its
-    buffers; a dense model is unchanged."""
+    """The memory plan under expert parallelism (estimates, no model built): each rank holds 1/W of the experts
+    (1/ep split over edp: no copies where ep is below the world size), FSDP2 gathers 1/ep of a layer's experts, the
+    dispatch adds its buffers; a dense model is unchanged."""
     from vlm_sft.checks.memory_plan import plan_for_run
 
     def planned(name: str, world: int, ep: int):
@@ -198,9 +221,10 @@ def test_the_plan_counts_each_ranks_experts_and_the_dispatch():
     moe = "Qwen/Qwen3.5-35B-A3B"
     fsdp, ep8 = planned(moe, 8, 1), planned(moe, 8, 8)
     assert ep8.params == pytest.approx(fsdp.params, rel=1e-3)  # ep = W: the same share, held by expert
-    assert ep8.gathered_weights < fsdp.gathered_weights / 2
+    assert ep8.gathered_weights < 0.55 * fsdp.gathered_weights  # 1/8 of a layer's experts, the rest as before
     assert ep8.expert_dispatch > 0 and fsdp.expert_dispatch == 0
-    copies, whole = planned(moe, 16, 8), planned(moe, 16, 16)
-    assert copies.params > 1.5 * whole.params  # two copies of every expert over 16 ranks
+    over_edp, whole, plain = planned(moe, 16, 8), planned(moe, 16, 16), planned(moe, 16, 1)
+    assert over_edp.params == whole.params == plain.params  # edp 2 shards the experts: no copies
+    assert over_edp.gathered_weights > whole.gathered_weights  # but gathers 1/8 of a layer's experts, not 1/16
     dense = "Qwen/Qwen3.5-27B"
     assert planned(dense, 8, 8).to_dict() == planned(dense, 8, 1).to_dict()

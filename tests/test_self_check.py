@@ -297,8 +297,8 @@ def test_check_config_caps_long_samples_and_rows():
 
 def test_sharded_slice_equals_the_unsharded_one(tmp_path):
     """2 ranks over gloo, the model ``fully_shard``-ed: the slice rank 0 gets is bitwise the slice of the unsharded
-    model (dense; MoE with 3 of 4 experts; LoRA over a bf16 base, narrowed MLPs everywhere; MoE with a copy of every
-    expert on each rank, as expert parallelism's ``edp`` copies hold them: counted once), and the trainer's
+    model (dense; MoE with 3 of 4 experts; LoRA over a bf16 base, narrowed MLPs everywhere; MoE under expert parallelism, 2 experts on each rank, on the
+    ``(edp, ep)`` mesh), and the trainer's
     ``run_packing_check`` runs on every rank with the report on rank 0."""
     args = tiny_run_args(tmp_path)
     data_build.load_sources(load_config("configs/debug.toml", args))  # the shapes data, written once before the ranks

@@ -265,7 +265,8 @@ class TrainConfig(Section):
     world_size / cp_size. Needs data.pack_len divisible by it, and head counts it splits (checked at start)."""
     ep_size: int = Field(1, ge=1)
     """Expert parallelism (Qwen3.5-MoE): groups of this many consecutive ranks split every MoE layer's routed experts
-    (each rank holds num_experts / ep_size of them whole) and send each token to its experts' ranks and back (two
+    (each group rank owns num_experts / ep_size of them, FSDP2-sharded over the ranks that own the same ones: no
+    copies) and send each token to its experts' ranks and back (two
     all-to-alls per MoE layer; no token dropped). Needs an MoE model, num_experts divisible by it, and world_size a
     multiple of it (checked at start); not combined with train.cp_size > 1."""
     collective_timeout_s: float | None = Field(None, gt=0)

@@ -27,9 +27,11 @@ the checkpoint on disk (2 for the released bf16 checkpoints), ``S`` the checkpoi
   ``train.optimizer_offload`` the AdamW state is on the host between steps: training is then the larger of the
   forward / backward peak (everything above but the AdamW state and the step's temporaries) and the step's
   (parameters, gradients, accumulated gradients, AdamW state, temporaries). Under expert parallelism
-  (``train.ep_size = ep``) each rank holds ``1 / ep`` of the routed experts whole instead of ``1 / W`` (the
-  parameters, gradients and AdamW terms count them so), FSDP2 gathers the layers without them, and the dispatch
-  adds its buffers (``expert_parallel_bytes``, with a planned routing imbalance ``EP_IMBALANCE``).
+  (``train.ep_size = ep``) each rank still holds ``1 / W`` of the routed experts (``1 / ep`` of them split over
+  ``edp``), but FSDP2 gathers a layer's experts over ``edp`` alone, as a unit of their own after the layer's router:
+  the gathered term counts the layer without its experts as above plus ``1 / ep`` of its experts once (no prefetched
+  copy), the accumulated gradients ``1 / ep`` of the experts; the dispatch adds its buffers
+  (``expert_parallel_bytes``, with a planned routing imbalance ``EP_IMBALANCE``).
 - **save** (the streamed export, on the writing rank) = parameters + AdamW state (gradients are freed after the
   step) + one gathered tensor ``n_max * (4 + k)`` (fp32, and its cast to the checkpoint dtype) + one output shard
   ``min(5 GB, S)`` (``save_pretrained``'s default bound of a safetensors file).
@@ -110,10 +112,9 @@ class ModelCounts:
     """Elements of the routed experts of every MoE layer (0 for a dense model)."""
     experts_trainable: int = 0
     """Trainable elements among them."""
-    expert_bytes: int = 0
-    """Bytes of the routed experts as stored in training."""
     largest_unit_without_experts: int = 0
-    """Elements of the largest FSDP2 unit without its routed experts (what FSDP2 gathers under expert parallelism)."""
+    """Elements of the largest FSDP2 unit without its routed experts (under expert parallelism those are a unit of
+    their own, of which FSDP2 gathers ``1 / ep``)."""
     largest_unit_without_experts_trainable: int = 0
     """Trainable elements of that unit."""
 
@@ -144,7 +145,6 @@ class ModelCounts:
             vision_trains=any(p.requires_grad for p in units[-1].parameters()),
             experts=sum(p.numel() for p in experts),
             experts_trainable=sum(p.numel() for p in experts if p.requires_grad),
-            expert_bytes=sum(p.numel() * p.element_size() for p in experts),
             largest_unit_without_experts=sum(p.numel() for p in dense_unit),
             largest_unit_without_experts_trainable=sum(p.numel() for p in dense_unit if p.requires_grad),
         )
@@ -211,12 +211,6 @@ class MemoryPlan:
 # ------------------------------------------------------------------------------------------------ the plan
 
 
-def _even_share(total: int, experts: int, w: int, ep: int) -> int:
-    """One rank's share of ``total`` when split evenly: ``1 / W`` of it; under expert parallelism (``ep > 1``)
-    ``1 / ep`` of its ``experts`` part, which each rank holds whole."""
-    return (total - experts) // w + experts // ep if ep > 1 else total // w
-
-
 def plan(
     counts: ModelCounts,
     config: Qwen3_5Config | Qwen3_5MoeConfig,
@@ -236,24 +230,26 @@ def plan(
     ep_imbalance: float = EP_IMBALANCE,
 ) -> MemoryPlan:
     """The plan of one rank (module docstring). ``local_param_bytes`` / ``local_trainable``: this rank's real shard
-    (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even split, ``1 / W`` of
-    everything but expert parallelism's experts, ``1 / ep`` of those (``ep_size``: ``train.ep_size``).
+    (a live model: the sum of its DTensors' local bytes / trainable elements); None: an even split, ``1 / W``
+    (``ep_size``: ``train.ep_size``).
     ``optimizer_impl``, ``optimizer_offload``: the run's ``train.optimizer_impl`` and ``train.optimizer_offload``
     (their defaults here too); ``ep_imbalance``: the routing imbalance planned under expert parallelism."""
     w = world_size if sharded else 1
     ep = ep_size if counts.experts else 1
     if local_param_bytes is None:
-        local_param_bytes = _even_share(counts.param_bytes, counts.expert_bytes, w, ep)
+        local_param_bytes = counts.param_bytes // w
     if local_trainable is None:
-        local_trainable = _even_share(counts.trainable, counts.experts_trainable, w, ep)
+        local_trainable = counts.trainable // w
     shard, trainable = local_param_bytes, local_trainable
     size = checkpoint_bytes if checkpoint_bytes is not None else counts.total * checkpoint_elem_bytes
     c = step.compute_bytes
     accumulate = sharded and micro_batches > 1 and grad_sync == "step"
     unit, unit_t = counts.largest_unit, counts.largest_unit_trainable
-    if ep > 1:  # FSDP2 gathers the layers without their experts, which each rank holds whole
-        unit, unit_t = counts.largest_unit_without_experts, counts.largest_unit_without_experts_trainable
     gathered = c * (counts.root + 2 * unit) + FP32 * unit_t if sharded else 0
+    if sharded and ep > 1:  # the layer's dense part as above, 1 / ep of its experts once (their own unit, over edp)
+        dense, dense_t = counts.largest_unit_without_experts, counts.largest_unit_without_experts_trainable
+        gathered = c * (counts.root + 2 * dense + (unit - dense) // ep) + FP32 * (dense_t + (unit_t - dense_t) // ep)
+    unsharded_t = counts.trainable - (counts.experts_trainable - counts.experts_trainable // ep)
     return MemoryPlan(
         world_size=world_size,
         checkpoint_bytes=size,
@@ -264,7 +260,7 @@ def plan(
         optimizer_state=2 * FP32 * trainable,
         optimizer_temporaries=STEP_TEMPORARY_COPIES[optimizer_impl] * FP32 * trainable,
         host_optimizer_state=2 * FP32 * trainable if optimizer_offload else 0,
-        accumulated_grads=FP32 * (counts.trainable - (counts.experts_trainable if ep > 1 else 0)) if accumulate else 0,
+        accumulated_grads=FP32 * unsharded_t if accumulate else 0,
         gathered_weights=gathered,
         activations=activation_bytes(config, step, counts),
         expert_dispatch=expert_parallel_bytes(config, step, ep, ep_imbalance),

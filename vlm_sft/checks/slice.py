@@ -63,7 +63,7 @@ from vlm_sft.model.moe import is_moe_text_config
 from vlm_sft.model.vlm import Qwen3_5VLM
 from vlm_sft.parallel.collectives import all_reduce, full_tensor
 from vlm_sft.parallel.env import DistEnv
-from vlm_sft.parallel.fsdp import holds_first_copy, is_sharded, local_rows, shard_ranks
+from vlm_sft.parallel.fsdp import is_sharded, local_rows, shard_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _shard_rows(param: torch.Tensor) -> tuple[torch.Tensor, int]:
         local, offset, _ = local_rows(param)
     except NotImplementedError as err:
         raise NotImplementedError(
-            f"the packing self-check's slice reads FSDP2 parameters sharded on dim 0 of a 1-D mesh ({err}): run the "
+            f"the packing self-check's slice reads parameters sharded on dim 0 alone ({err}): run the "
             "check before other parallelisms, or set train.check_packing = false"
         ) from err
     return local, offset
@@ -207,8 +207,6 @@ def _take(param: torch.Tensor, rows: torch.Tensor | None, size: torch.Size, env:
     rows = torch.arange(size[0]) if rows is None else rows
     local, offset = _shard_rows(param)
     mine = (rows >= offset) & (rows < offset + local.shape[0])
-    if not holds_first_copy(param):  # expert parallelism's other copies of these rows: counted once, by the first
-        mine &= False
     part = local[(rows[mine] - offset).to(local.device)]
     for dim in range(1, len(size)):
         part = part.narrow(dim, 0, size[dim])

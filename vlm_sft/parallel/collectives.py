@@ -114,9 +114,13 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     process group is destroyed, which aborts the process at exit ("terminate called without an active exception").
     A plain tensor is returned as it is."""
     from torch.distributed._functional_collectives import AsyncCollectiveTensor
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(t, DTensor):
         return t
-    full = t.full_tensor()
+    # One all-gather per mesh dimension, outermost first: what torch does for expert parallelism's (edp, ep) layout
+    # too, but with a warning per tensor.
+    for dim in range(t.device_mesh.ndim):
+        t = t.redistribute(t.device_mesh, [Replicate() if i <= dim else p for i, p in enumerate(t.placements)])
+    full = t.to_local()
     return full.wait() if isinstance(full, AsyncCollectiveTensor) else full

@@ -1,11 +1,14 @@
 """Expert parallelism: each MoE layer's routed experts split over a group of ranks, tokens sent to their experts.
 
 ``train.ep_size`` consecutive ranks form an expert-parallel group (``parallel.mesh``'s ``ep`` dimension); rank ``r``
-of a group holds experts ``[r * E / ep, (r + 1) * E / ep)`` of every MoE layer whole, as a DTensor sharded on dim 0
-over the group (``shard_experts``), so the checkpoint keys, DCP's resharding (another ``ep_size`` or world size), the
-sharded load (each rank reads its experts' rows: ``parallel.fsdp.local_rows``) and the streamed export see the usual
-``[E, ...]`` tensors. FSDP2 leaves these parameters alone (``ignored_params``): they are never all-gathered. The
-groups that hold the same experts (``edp``, the rest of data parallelism) each keep a copy.
+of a group holds experts ``[r * E / ep, (r + 1) * E / ep)`` of every MoE layer, as a DTensor sharded on dim 0 over
+the group (``shard_experts``). The groups that hold the same experts (``edp``, the rest of data parallelism) do not
+keep copies: FSDP2 shards each rank's experts further over them (``fully_shard_experts``: every layer's experts a unit
+of their own on the ``edp`` mesh, gathered over ``edp`` only, never over ``ep``), so a rank holds ``1 / W`` of the
+experts as of every other weight. The experts' parameters are DTensors of the ``(edp, ep)`` mesh, placements
+``(_StridedShard(0), Shard(0))``: rank ``(i, j)`` holds rows ``chunk_i`` of group block ``j``, one contiguous range of
+experts, so the checkpoint keys, DCP's resharding (another ``ep_size`` or world size), the sharded load (each rank
+reads its rows: ``parallel.fsdp.local_rows``) and the streamed export see the usual ``[E, ...]`` tensors.
 
 The forward of each layer's ``Experts`` is wrapped from outside (``wrap_experts``; the model stays free of
 ``torch.distributed``), around the same routing (router, top-k and weights are computed on the token's own rank):
@@ -24,9 +27,10 @@ Both all-to-alls are autograd-aware: backward sends the gradients the other way.
 joins both (its experts get a zero gradient), so every rank issues the same collectives.
 
 **Gradients.** The loss scale (``trainer.loop``) assumes FSDP2's average over all ``W`` ranks. An expert's local
-gradient already sums the contributions of every token its group dispatched to it, so ``reduce_expert_gradients``
-sums it over the copies (``edp``) and divides by ``W``: the same gradient as without expert parallelism. It runs once
-per optimizer step, after the last micro-batch's backward.
+gradient already sums the contributions of every token its group dispatched to it, so FSDP2's reduce-scatter over
+``edp`` sums it over the ranks that hold the same experts and divides by ``W`` (``set_gradient_divide_factor``): the
+same gradient as without expert parallelism, reduced once per optimizer step with the others (``micro_batches > 1``
+accumulates it unsharded until the step's last backward, as for every unit).
 
 Legend: T = tokens, D = hidden size, E = experts (global), L = experts on this rank (E / ep), K = experts per token,
 N = T * K routed slots, R = slots received from the group, F = 2I fused gate and up rows, I = expert width.
@@ -47,6 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from vlm_sft.config import ConfigError
 from vlm_sft.model.moe import Experts, grouped_experts_mlp, sort_by_expert, sorted_experts_mlp, weighted_token_sum
+from vlm_sft.parallel.fsdp import fully_shard_on
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,9 @@ class ExpertParallel:
     """This rank's place in its group: it holds experts ``[rank * L, (rank + 1) * L)``."""
     size: int
     """``train.ep_size``."""
-    replicas: dist.ProcessGroup | None
-    """The ranks that hold the same experts (one per group; None when there is one group)."""
+    edp_mesh: DeviceMesh
+    """The 1-D ``edp`` mesh: the ranks that hold the same experts (one per group), which FSDP2 shards them over;
+    a mesh of one rank when ``ep_size`` is the world size."""
     world_size: int
     """All ranks of the job: what the expert gradients are divided by (FSDP2's average)."""
 
@@ -72,10 +78,9 @@ class ExpertParallel:
 # ------------------------------------------------------------------------------------------------ the layout
 
 
-def shard_experts(module: Experts, ep: ExpertParallel) -> list[nn.Parameter]:
+def shard_experts(module: Experts, ep: ExpertParallel) -> None:
     """Replace ``module``'s two expert tensors by DTensors holding this rank's ``E / ep`` experts (also on the meta
-    device, before any weight exists); returns the new parameters (for FSDP2's ``ignored_params``)."""
-    out = []
+    device, before any weight exists)."""
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(module, name)
         experts = full.shape[0]
@@ -88,10 +93,22 @@ def shard_experts(module: Experts, ep: ExpertParallel) -> list[nn.Parameter]:
         dtensor = DTensor.from_local(
             local, ep.mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride()
         )
-        param = nn.Parameter(dtensor, requires_grad=full.requires_grad)
-        setattr(module, name, param)
-        out.append(param)
-    return out
+        setattr(module, name, nn.Parameter(dtensor, requires_grad=full.requires_grad))
+
+
+def fully_shard_experts(modules: Iterable[Experts], ep: ExpertParallel, *, param_dtype: torch.dtype | None) -> None:
+    """FSDP2 over ``edp`` for each module's experts (already ``shard_experts``'d), each module a unit of its own, its
+    gradient divided by the world size (module docstring); before the decoder layers are sharded, which then leave
+    these parameters to their unit.
+
+    gloo has no ``PREMUL_SUM`` (torch's reduce op for a custom divide factor), so the reduction is forced to a sum
+    with the division after it; not on a one-rank ``edp``, where torch 2.13's single-rank branch already divides by
+    the factor and the forced post-division would divide a second time (measured: 1/W^2)."""
+    for module in modules:
+        fully_shard_on(module, ep.edp_mesh, param_dtype=param_dtype)
+        module.set_gradient_divide_factor(float(ep.world_size))
+        if ep.edp_mesh.size() > 1:
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def wrap_experts(modules: Iterable[Experts], ep: ExpertParallel) -> None:
@@ -99,7 +116,6 @@ def wrap_experts(modules: Iterable[Experts], ep: ExpertParallel) -> None:
     instance's ``forward`` is replaced, the module tree and parameter names stay)."""
     for module in modules:
         module.forward = functools.update_wrapper(functools.partial(_ep_forward, module, ep), Experts.forward)
-        module.expert_parallel = ep
 
 
 # ------------------------------------------------------------------------------------------------ the forward
@@ -148,22 +164,3 @@ def _local_experts(
     ones_R1 = x_RD.new_ones(x_RD.shape[0], 1)
     mlp = grouped_experts_mlp if impl == "grouped_mm" else sorted_experts_mlp
     return mlp(x_RD, gate_up_LFD, down_LDI, local_R[:, None], ones_R1)
-
-
-# ------------------------------------------------------------------------------------------------ gradients
-
-
-def reduce_expert_gradients(modules: Iterable[Experts]) -> None:
-    """Sum each expert gradient over the ranks that hold the same experts and divide by the world size (module
-    docstring); a parameter that got no gradient takes part with zeros, so every rank issues the same collectives."""
-    for module in modules:
-        ep: ExpertParallel = module.expert_parallel
-        for param in (module.gate_up_proj, module.down_proj):
-            if not param.requires_grad:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            local = param.grad.to_local()
-            if ep.replicas is not None:
-                dist.all_reduce(local, group=ep.replicas)
-            local.div_(ep.world_size)

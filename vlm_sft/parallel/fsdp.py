@@ -6,9 +6,10 @@ choice, the only code that knows the model's module paths. ``param_dtype`` (bf16
 that dtype over fp32 master weights, and reduces gradients in fp32.
 
 **The row rule.** FSDP2 places every parameter as ``Shard(0)`` over its 1-D mesh, in ``torch.chunk`` pieces: the first
-ranks hold ``ceil(n / W)`` rows, the last ones fewer or none. The sharded checkpoint load (each rank reads its rows),
-the LoRA init (each rank keeps its rows of one draw) and the self-check's slice (each rank contributes its rows) all
-need that range (``local_rows``); a plain tensor is held whole, a replicated DTensor too.
+ranks hold ``ceil(n / W)`` rows, the last ones fewer or none (expert parallelism's experts: a range of their group's
+block, ``parallel.expert_parallel``). The sharded checkpoint load (each rank reads its rows), the LoRA init (each rank
+keeps its rows of one draw) and the self-check's slice (each rank contributes its rows) all need that range
+(``local_rows``); a plain tensor is held whole, a replicated DTensor too.
 """
 
 from __future__ import annotations
@@ -19,28 +20,30 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial
+
+# Private, but DCP's own rule for where a rank's piece of a DTensor sits in the whole.
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 def fully_shard_units(
-    units: Iterable[nn.Module],
-    root: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    param_dtype: torch.dtype | None = None,
-    ignored: set[nn.Parameter] | None = None,
+    units: Iterable[nn.Module], root: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None
 ) -> nn.Module:
     """``fully_shard`` every unit in order, then ``root`` (which takes the parameters no unit holds); returns ``root``.
 
     Each unit's all-gather is one collective that every rank issues on every forward that runs it, so units must run
     on every rank in every forward (the model runs its vision tower on a dummy image when a micro-batch has none).
-    ``ignored``: parameters FSDP2 neither shards, gathers nor reduces (expert parallelism's experts)."""
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kwargs = {"mesh": mesh} | ({"mp_policy": mp} if mp else {}) | ({"ignored_params": ignored} if ignored else {})
+    A module already sharded (expert parallelism's experts, on their own mesh) stays its own unit."""
     for unit in units:
-        fully_shard(unit, **kwargs)
-    fully_shard(root, **kwargs)
-    return root
+        fully_shard_on(unit, mesh, param_dtype=param_dtype)
+    return fully_shard_on(root, mesh, param_dtype=param_dtype)
+
+
+def fully_shard_on(module: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """``fully_shard(module)`` over ``mesh``; ``param_dtype``: gathered and computed in it, gradients reduced in
+    fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    return fully_shard(module, mesh=mesh, **({"mp_policy": mp} if mp else {}))
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -59,8 +62,8 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float | None) -> t
     plain device scalar, read later with the step's other figures (no host sync here).
 
     torch's ``clip_grad_norm_`` stacks the per-parameter norms, which DTensors on different meshes refuse (FSDP2's
-    shards live on the whole mesh, expert parallelism's experts on their group's): the norm is taken per mesh here,
-    each made whole, then combined."""
+    shards live on the whole mesh, expert parallelism's experts on the ``(edp, ep)`` mesh): the norm is taken per
+    mesh here, each made whole, then combined."""
     params = [p for p in params if p.grad is not None]
     by_mesh: dict[object, list[torch.Tensor]] = {}
     for p in params:
@@ -103,28 +106,19 @@ def shard_ranks(t: torch.Tensor) -> int:
     return t.device_mesh.size() if isinstance(t, DTensor) else 1
 
 
-def holds_first_copy(t: torch.Tensor) -> bool:
-    """Whether this rank's part of ``t`` is the one a sum over all ranks should count. An FSDP2 shard exists once; an
-    expert-parallel shard lives on its ``ep`` group, and every other group (the ``edp`` copies) holds the same rows:
-    the group that holds rank 0 counts them (the groups partition the ranks, so exactly one does)."""
-    if not isinstance(t, DTensor):
-        return True
-    return 0 in t.device_mesh.mesh.flatten().tolist()
-
-
 def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """``(local tensor, first row, end row)`` of ``t`` on dim 0 for this rank (all rows of a plain or replicated
-    tensor). Any other layout is refused: filling it with the wrong rows would be silent."""
+    tensor), for any layout that splits dim 0 alone into one contiguous range per rank: FSDP2's ``Shard(0)``, and
+    expert parallelism's ``(_StridedShard(0), Shard(0))`` over ``(edp, ep)`` (torch's own offset rule, the one DCP
+    uses). Any other layout is refused: filling it with the wrong rows would be silent."""
     if not isinstance(t, DTensor):
         return t, 0, (t.shape[0] if t.dim() else 0)
     local = t.to_local()
-    if all(isinstance(p, Replicate) for p in t.placements):
-        return local, 0, (t.shape[0] if t.dim() else 0)
-    if t.device_mesh.ndim != 1 or t.placements != (Shard(0),):
-        raise NotImplementedError(f"only FSDP2's Shard(0) over a 1-D mesh is supported, got placements {t.placements}")
-    n, world = t.shape[0], t.device_mesh.size()
-    chunk = -(-n // world)
-    start = min(t.device_mesh.get_local_rank() * chunk, n)
-    stop = min(start + chunk, n)
+    if not t.dim():
+        return local, 0, 0
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape[1:]) != tuple(t.shape[1:]) or any(isinstance(p, Partial) for p in t.placements):
+        raise NotImplementedError(f"only layouts that split dim 0 are supported, got placements {t.placements}")
+    start, stop = min(offset[0], t.shape[0]), min(offset[0] + shape[0], t.shape[0])
     assert local.shape[0] == stop - start, f"local shard has {local.shape[0]} rows, expected {stop - start}"
     return local, start, stop

@@ -12,8 +12,9 @@ Ranks are laid out row-major over the named dimensions, outermost first:
 
 FSDP2 shards every parameter over all the ranks of the mesh (the dimensions flattened into one, ``fsdp_mesh``); the
 trainer's loss scale turns FSDP's average over every rank into the sum that a CP group's gradients need. Expert
-parallelism's experts are the exception: each rank holds its experts whole (FSDP2 leaves them alone). A dimension of
-size 1 is left out of the device mesh, as torchtitan does.
+parallelism's experts are the exception: split over ``ep``, then FSDP2-sharded over ``edp`` alone. A dimension of
+size 1 is left out of the device mesh, as torchtitan does, except ``edp`` under expert parallelism (the experts' FSDP2
+mesh, of one rank when ``ep_size`` is the world size).
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ class ParallelDims:
         return self.dp * self.cp
 
     def named(self) -> tuple[tuple[str, int], ...]:
-        """``(name, size)`` of every dimension of size > 1, outermost first (at least ``dp``)."""
-        dims = (("edp", self.dp // self.ep), ("ep", self.ep)) if self.ep > 1 else (("dp", self.dp), ("cp", self.cp))
-        return tuple((n, s) for n, s in dims if s > 1) or (("dp", self.dp),)
+        """``(name, size)`` of every dimension of size > 1, outermost first (at least ``dp``; under expert
+        parallelism ``edp`` and ``ep``, whatever their sizes)."""
+        if self.ep > 1:
+            return (("edp", self.dp // self.ep), ("ep", self.ep))
+        return tuple((n, s) for n, s in (("dp", self.dp), ("cp", self.cp)) if s > 1) or (("dp", self.dp),)
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,7 @@ def build_mesh(env: DistEnv, *, cp_size: int = 1, ep_size: int = 1) -> ParallelM
         cp = ContextParallel(group=mesh.get_group("cp"), rank=mesh.get_local_rank("cp"), size=dims.cp)
     ep = None
     if dims.ep > 1:
-        replicas = mesh.get_group("edp") if dims.dp > dims.ep else None
-        ep = ExpertParallel(mesh["ep"], mesh.get_local_rank("ep"), dims.ep, replicas, env.world_size)
+        ep = ExpertParallel(mesh["ep"], mesh.get_local_rank("ep"), dims.ep, mesh["edp"], env.world_size)
         dp_rank = fsdp.get_local_rank()  # every rank reads its own rows: (edp, ep) flattened
     else:
         dp_rank = mesh.get_local_rank("dp") if dims.dp > 1 else 0

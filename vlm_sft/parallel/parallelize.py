@@ -4,14 +4,14 @@ paths (the decoder layers and the vision tower).
 It applies, in order (torchtitan's): LoRA wrapping (before FSDP, so FSDP shards the wrapped layers; also on a meta
 model), activation checkpointing (each decoder layer recomputed in backward: the model's own switch), context
 parallelism (all-to-alls around the token mixers, ``parallel.context_parallel``), expert parallelism (each rank's
-experts, dispatch and combine around the routed experts, ``parallel.expert_parallel``) and FSDP2 (every decoder
-layer and the vision tower a unit of their own, then the root; the experts of expert parallelism left out). The vision tower is its own unit so its all-gather is one
-collective that every rank issues on every forward: the model always runs it (a dummy image on text-only
-micro-batches), which keeps the ranks' collective sequences identical.
+experts, dispatch and combine around the routed experts, every layer's experts an FSDP2 unit over ``edp``,
+``parallel.expert_parallel``) and FSDP2 (every decoder layer and the vision tower a unit of their own, then the
+root). The vision tower is its own unit so its all-gather is one collective that every rank issues on every forward:
+the model always runs it (a dummy image on text-only micro-batches), which keeps the ranks' collective sequences
+identical.
 
 ``apply_context_parallel`` and ``context_parallel_off`` turn context parallelism on and off on a built model (the
-trainer's eval and generation run on whole rows); ``finish_gradients`` completes a step's gradients that FSDP2 does
-not reduce (expert parallelism's); ``shard_model`` is FSDP2 alone, for tools and tests.
+trainer's eval and generation run on whole rows); ``shard_model`` is FSDP2 alone, for tools and tests.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from vlm_sft.config import ConfigError
 from vlm_sft.model.sequence_split import SequenceSplit, check_heads
 from vlm_sft.parallel.context_parallel import NO_CP, wrap_token_mixers
 from vlm_sft.parallel.env import DistEnv
-from vlm_sft.parallel.expert_parallel import reduce_expert_gradients, shard_experts, wrap_experts
+from vlm_sft.parallel.expert_parallel import fully_shard_experts, shard_experts, wrap_experts
 from vlm_sft.parallel.fsdp import fully_shard_units
 from vlm_sft.parallel.mesh import ParallelMesh, build_mesh
 
@@ -98,7 +98,6 @@ def parallelize(
         return model
     if mesh.cp.active:
         apply_context_parallel(model, mesh.cp)
-    ignored: set[nn.Parameter] = set()
     if mesh.ep is not None:
         experts = routed_experts(model)
         if not experts:
@@ -107,19 +106,12 @@ def parallelize(
                 "train.ep_size = 1"
             )
         for module in experts:
-            ignored.update(shard_experts(module, mesh.ep))
+            shard_experts(module, mesh.ep)
         wrap_experts(experts, mesh.ep)
+        fully_shard_experts(experts, mesh.ep, param_dtype=param_dtype)
     if mesh.fsdp_mesh is not None:
-        fully_shard_units(fsdp_units(model), model, mesh.fsdp_mesh, param_dtype=param_dtype, ignored=ignored)
+        fully_shard_units(fsdp_units(model), model, mesh.fsdp_mesh, param_dtype=param_dtype)
     return model
-
-
-def finish_gradients(model: nn.Module) -> None:
-    """After a step's last backward: reduce the gradients FSDP2 leaves alone (expert parallelism's experts, every
-    rank joins); a no-op without expert parallelism."""
-    experts = [m for m in routed_experts(model) if hasattr(m, "expert_parallel")]
-    if experts:
-        reduce_expert_gradients(experts)
 
 
 def shard_model(model: nn.Module, env: DistEnv, *, param_dtype: torch.dtype | None = None) -> nn.Module:

@@ -39,7 +39,7 @@ from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum
 from vlm_sft.parallel.env import elastic_restart
 from vlm_sft.parallel.failure import doing, set_phase
 from vlm_sft.parallel.fsdp import clip_grad_norm_, set_gradient_sync
-from vlm_sft.parallel.parallelize import context_parallel_off, finish_gradients
+from vlm_sft.parallel.parallelize import context_parallel_off
 from vlm_sft.trainer.evaluate import evaluate, format_eval
 from vlm_sft.trainer.generation import evaluate_generation
 from vlm_sft.trainer.metrics import peak_memory_mb, step_breakdown
@@ -200,7 +200,6 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
         loss.backward()
         timer.mark("backward_s")
         loss_sum += out.loss_sum.detach()
-    finish_gradients(model)  # the gradients FSDP2 does not reduce (expert parallelism's)
     grad_norm = _clip(model, run.cfg.train.grad_clip)
     run.optimizer.step()
     run.scheduler.step()
