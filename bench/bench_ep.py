@@ -18,17 +18,19 @@ out of each rank; an all-to-all sends a rank's off-rank rows. Per rank, per deco
     FSDP2 alone (ep 1)   gather  2 (W - 1)/W (P_e + P_n) c      forward, and backward's re-gather
                          reduce    (W - 1)/W (P_e + P_n) g      reduce-scatter of the layer's fp32 gradient
     expert parallel      a2a     (1 + AC) [f (2 N D c + 8 N) + 8 (ep - 1)]  +  f 2 N D c
-                         gather  2 (W - 1)/W P_n c,   reduce (W - 1)/W P_n g      (FSDP2 keeps the rest of the layer)
-                         experts 2 (R - 1)/R (P_e / ep) g,  R = W / ep copies  (all-reduce over edp; 0 at ep = W)
+                         gather  2 (W - 1)/W P_n c + 2 (R - 1)/R (P_e / ep) c     (the rest of the layer over all
+                         reduce    (W - 1)/W P_n g +   (R - 1)/R (P_e / ep) g      ranks, the experts over edp)
+                         R = W / ep: the edp ranks that FSDP2-shard the same experts (0 expert bytes at ep = W)
 
-The all-to-all term, per forward: dispatch and combine of N rows of D in the compute dtype, the int64 local expert
-id of each slot, and the all-to-all of ep int64 counts before them; backward sends the two row all-to-alls the other
-way (ids and counts are not differentiated); activation checkpointing's recompute repeats the forward's exchanges
-(routing replayed, data sent again). The gathers stay 2 with activation checkpointing: the recompute runs inside the
-backward's gather (FSDP2 skips its pre-forward unshard while in pre-backward), which part 2 counts. The table gives
-GB (1e9 bytes) per layer, the ratio, and the break-even T where EP's bytes reach FSDP2's (EP grows with T, FSDP2's
-do not); the ratio and break-even also without activation checkpointing (AC = 0). Bytes only: link bandwidth, overlap with compute and routing imbalance (a rank receives more than N rows
-when its experts are popular) are not modelled; expected on GPUs, not measured.
+The all-to-all term, per forward: dispatch and combine of N rows of D in the compute dtype, each slot's int64 local
+expert id, and the all-to-all of ep int64 counts before them; backward sends the two row all-to-alls back (ids and
+counts are not differentiated); activation checkpointing's recompute repeats the forward's exchanges. The gathers
+stay 2 with activation checkpointing: the recompute runs inside the backward's gather (FSDP2 skips its pre-forward
+unshard in pre-backward), which part 2 counts; under EP the layer's experts, a unit of their own over ``edp``,
+reduce once more and gather twice more (FSDP2 skips the gathers, and the reduction moves no bytes, when ``edp`` is
+one rank). The table gives GB (1e9 bytes) per layer, the ratio, and the break-even T where EP's bytes reach
+FSDP2's (EP grows with T, FSDP2's do not), also without activation checkpointing (AC = 0). Bytes only: link
+bandwidth, overlap with compute and routing imbalance are not modelled; expected on GPUs, not measured.
 
 **2. The formulas' terms counted** on the trainer's own model and parallel code: the tiny Qwen3.5-MoE
 (``configs/debug_moe.toml``'s: hidden 64, 4 experts, top 2, 4 layers) on 2 processes over gloo, ``parallelize`` with
@@ -38,19 +40,16 @@ activation checkpointing at ep 1 and ep 2, one forward + backward of a 1024-toke
 ``TorchDispatchMode``. Calls and bytes per layer (mean over the layers and the 2 ranks) against the formulas on that
 config and T, with f the measured off-rank share of the slots (the routing's, not the balanced (ep - 1)/ep).
 
-**3. Measured on the CPU**: the trainer itself (``vlm_sft/train.py`` under ``torch.distributed.run --standalone
---nproc_per_node 2``, gloo, ``train.cpu_threads`` 1) on ``configs/debug_moe.toml`` with ``--steps`` steps (eval and
-generation off, a private shapes folder of ``--samples`` samples, no eval set) at ep 2 and ep 1 (plain FSDP2 over the
-same 2 ranks): the same global batch, the same rows on the same ranks (checked: the first two steps' losses, the
-same weights and then one update, agree to ``LOSS_RTOL``; later steps drift apart, by up to ~1e-3 at hidden 256:
-float32 sums in other orders, amplified by a few steps at a high learning rate; the JSON records it). Cases: ``h64``
-(the config as it is), ``h256`` (``--model.hidden_size 256``: the experts a larger share of the compute) and
-``h256-ac`` (with activation checkpointing). From rank 0's ``metrics.jsonl``: the median ``step_time_s`` (data wait +
-forward + backward + optimizer) and its forward / backward parts over the steps after the first (warm-up); ep2 / ep1
-within a repetition, then the median and range. The runs rotate (h64 ep1, h64 ep2, h256 ep1, ... the order rotating
-per repetition). **This measures EP's overhead on 2 CPU cores over gloo** (the all-to-alls' host reads, sorting,
-copies; the tiny experts are a small part of a step), **not the GPU gain**: the gain expected on GPUs is part 1's
-bytes, not measured here.
+**3. Measured on the CPU**: the trainer itself (``vlm_sft/train.py``, ``torch.distributed.run --nproc_per_node 2``,
+gloo, ``train.cpu_threads`` 1) on ``configs/debug_moe.toml``, ``--steps`` steps (eval and generation off, a private
+shapes folder of ``--samples`` samples) at ep 2 and ep 1 (FSDP2 alone over the same 2 ranks): the same global batch
+and rows per rank (checked: the first two steps' losses agree to ``LOSS_RTOL``; later steps drift, up to ~1e-3 at
+hidden 256: float32 sums in other orders at a high learning rate; the JSON records it). Cases: ``h64`` (the config),
+``h256`` (``--model.hidden_size 256``: the experts a larger share of the compute), ``h256-ac`` (with activation
+checkpointing). From rank 0's ``metrics.jsonl``: the median ``step_time_s`` and its forward / backward parts after
+the first step; ep2 / ep1 within a repetition (the run order rotating), then the median and range. **This measures
+EP's overhead on 2 CPU cores over gloo** (host reads, sorting, copies; the tiny experts are a small part of a step),
+**not the GPU gain** (part 1's bytes, expected, not measured).
 
 Prints the tables and writes ``bench/results/bench_ep.json`` (not with ``--quick``).
 """
@@ -101,7 +100,7 @@ class LayerParams:
     kind: str
     """``linear_attention`` (GatedDeltaNet) or ``full_attention``."""
     experts: int
-    """P_e: the routed experts (held whole by their rank under EP, never gathered)."""
+    """P_e: the routed experts (under EP split over ``ep``, gathered over ``edp`` only)."""
     rest: int
     """P_n: everything else in the layer (FSDP2 gathers and reduces it with or without EP)."""
 
@@ -132,23 +131,25 @@ def traffic(
     w = (world - 1) / world
     if ep == 1:
         whole = layer.experts + layer.rest
-        return {"gather": 2 * w * whole * c, "reduce": w * whole * g, "a2a": 0.0, "experts": 0.0}
+        return {"gather": 2 * w * whole * c, "reduce": w * whole * g, "a2a": 0.0}
     f = (ep - 1) / ep if sent_fraction is None else sent_fraction
     rows = tokens * text.num_experts_per_tok * text.hidden_size * c
     forward = f * (2 * rows + INT64 * tokens * text.num_experts_per_tok) + INT64 * (ep - 1)
-    copies = world // ep
+    edp = (world // ep - 1) / (world // ep)
     return {
-        "gather": 2 * w * layer.rest * c,
-        "reduce": w * layer.rest * g,
+        "gather": 2 * w * layer.rest * c + 2 * edp * layer.experts / ep * c,
+        "reduce": w * layer.rest * g + edp * layer.experts / ep * g,
         "a2a": (1 + ac) * forward + f * 2 * rows,
-        "experts": 2 * (copies - 1) / copies * layer.experts / ep * g,
     }
 
 
-def expected_calls(ep: int, ac: bool) -> dict[str, int]:
-    """Collectives per decoder layer per step: 2 gathers (AC or not), 1 reduce-scatter, and under EP per forward 4
-    all-to-alls (counts, rows, ids, combine) and 2 in backward."""
-    return {"gather": 2, "reduce": 1, "a2a": 0 if ep == 1 else (1 + ac) * 4 + 2}
+def expected_calls(ep: int, ac: bool, world: int) -> dict[str, int]:
+    """Collectives per decoder layer per step: 2 gathers (AC or not), 1 reduce-scatter, and under EP one more reduce
+    for the layer's experts (their own unit, over ``edp``; FSDP2 skips their gathers on a one-rank ``edp``), and per
+    forward 4 all-to-alls (counts, rows, ids, combine) and 2 in backward."""
+    if ep == 1:
+        return {"gather": 2, "reduce": 1, "a2a": 0}
+    return {"gather": 2 if world == ep else 4, "reduce": 2, "a2a": (1 + ac) * 4 + 2}
 
 
 def _ep_bytes(parts: list[tuple[LayerParams, int]], text, tokens: int, ep: int, ac: bool = True) -> dict[str, float]:
@@ -223,16 +224,20 @@ def count_collectives(tally: Tally, world: int, ep_rank: int):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     gather, reduce = group_module.foreach_all_gather, group_module.foreach_reduce
-    share = (world - 1) / world
+
+    def share(fsdp_params) -> float:  # (n - 1) / n of the group the unit is sharded over (the experts': edp)
+        n = fsdp_params[0].mesh_info.shard_mesh_size
+        return (n - 1) / n
 
     def counted_gather(fsdp_params, *args, **kwargs):
         result = gather(fsdp_params, *args, **kwargs)
         out = result.all_gather_output
-        tally.add(_layer_of(fsdp_params), "gather", share * out.numel() * out.element_size())
+        tally.add(_layer_of(fsdp_params), "gather", share(fsdp_params) * out.numel() * out.element_size())
         return result
 
     def counted_reduce(fsdp_params, grads, *args, **kwargs):
-        tally.add(_layer_of(fsdp_params), "reduce", share * sum(t.numel() * t.element_size() for t in grads))
+        nbytes = sum(t.numel() * t.element_size() for t in grads)
+        tally.add(_layer_of(fsdp_params), "reduce", share(fsdp_params) * nbytes)
         return reduce(fsdp_params, grads, *args, **kwargs)
 
     group_module.foreach_all_gather, group_module.foreach_reduce = counted_gather, counted_reduce
@@ -318,7 +323,7 @@ def counted_rows() -> list[dict]:
         f = sum(r["off_rank_slots"] for r in ranks) / sum(r["slots"] for r in ranks) if ep > 1 else None
         kw = {"tokens": tokens, "world": 2, "ep": ep, "ac": True, "c": FP32, "g": FP32, "sent_fraction": f}
         formula = [traffic(p, config.text_config, **kw) for p in layers]
-        for kind, calls in expected_calls(ep, True).items():
+        for kind, calls in expected_calls(ep, True, 2).items():
             if calls:
                 counted = {field: _per_layer(ranks, kind, field, len(layers)) for field in ("calls", "bytes")}
                 want = statistics.mean(t[kind] for t in formula)
@@ -395,10 +400,8 @@ def measured(args: argparse.Namespace) -> tuple[list[dict], dict]:
 def _loss_diffs(ep1_runs: list[dict], ep2_runs: list[dict]) -> tuple[float, float]:
     """The largest relative loss difference between paired ep 1 and ep 2 runs over their first two steps, and over
     all steps."""
-    diffs = [
-        [abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"], strict=True)]
-        for a, b in zip(ep1_runs, ep2_runs, strict=True)
-    ]
+    pairs = zip(ep1_runs, ep2_runs, strict=True)
+    diffs = [[abs(x - y) / abs(x) for x, y in zip(a["losses"], b["losses"], strict=True)] for a, b in pairs]
     return max(max(d[:2]) for d in diffs), max(max(d) for d in diffs)
 
 
@@ -416,8 +419,8 @@ def print_analytic(rows: list[dict]) -> None:
     columns += [("fsdp_over_ep_no_ac", "no AC: FSDP2 / EP", ".2f"), ("break_even_tokens_no_ac", "break-even T", ",.0f")]
     harness.print_table(None, columns, rows)
     print("FSDP2: all-gathers (bf16) + reduce-scatter (fp32) of the whole layer, 256 experts included; EP: the")
-    print("all-to-alls plus FSDP2 on the layer without its experts. break-even T: tokens per rank at which EP moves as")
-    print("much as FSDP2. no AC: the same without activation checkpointing (AC = 0: no recomputed all-to-alls)")
+    print("all-to-alls plus FSDP2 on the layer without its experts (the experts over edp: one rank at ep = W).")
+    print("break-even T: tokens per rank where EP moves as much as FSDP2. no AC: without activation checkpointing")
 
 
 def print_counted(rows: list[dict]) -> None:
@@ -448,8 +451,7 @@ def print_measured(rows: list[dict], ratios: dict, meta: dict) -> None:
         ratio = harness.fmt_range(ratios[r["case"]]["step_time_s"]) if r["ep"] == 2 else "-"
         shown.append(r | ms | {"step_ms": ms["step_time_ms"], "ep2_over_ep1": ratio})
     harness.print_table(None, columns, shown)
-    first = max(v["first_two_loss_rel_diff"] for v in ratios.values())
-    drift = max(v["max_loss_rel_diff"] for v in ratios.values())
+    first, drift = (max(v[k] for v in ratios.values()) for k in ("first_two_loss_rel_diff", "max_loss_rel_diff"))
     print(f"same batches: the first two steps' losses at ep 2 within {first:.1e} (relative) of ep 1's; later steps")
     print(f"drift apart by up to {drift:.1e} (float32 sums in other orders, amplified by training)")
 
@@ -480,10 +482,8 @@ def main() -> None:
         count_child(args)
         return
     with harness.wall_clock() as meta:
-        analytic = analytic_rows()
-        print_analytic(analytic)
-        counted = counted_rows()
-        print_counted(counted)
+        print_analytic(analytic := analytic_rows())
+        print_counted(counted := counted_rows())
         rows, ratios = measured(args)
     meta |= {"reps": args.reps, "steps": args.steps, "samples": args.samples, "cases": args.cases}
     meta |= {"case_overrides": {c: CASES[c] for c in args.cases}, "world": WORLD, "ep": EP, "quick": args.quick}
