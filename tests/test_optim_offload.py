@@ -8,6 +8,9 @@ mechanism (which tensors move, when, with what layout) and the numbers; the memo
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 from test_optim import ENV, IMPLS, _cfg, _full_trainable, _net, _sharded_tiny, _steps, _trainable
@@ -25,7 +28,7 @@ def _weights(model) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_offloaded_steps_equal_plain_steps_and_the_state_moves_around_each_step(impl):
+def test_offloaded_steps_equal_plain_steps_and_the_state_moves_around_each_step(impl, caplog):
     """Five steps with and without the offload: the same weights bit for bit. The tensors a step updates (seen by a
     pre-hook registered after the offload's own) are the device copies; after the step the optimizer holds other
     tensors, the host copies. Without the offload the step updates the very tensors the optimizer holds (the check
@@ -37,7 +40,10 @@ def test_offloaded_steps_equal_plain_steps_and_the_state_moves_around_each_step(
     for name, opt in (("plain", opt_plain), ("offloaded", opt_off)):
         opt.register_step_pre_hook(lambda o, _a, _k, name=name: in_step.__setitem__(name, _state_tensors(o)))
     _steps(plain, opt_plain, 5)
-    _steps(offloaded, opt_off, 5)
+    with caplog.at_level(logging.INFO, logger="vlm_sft.trainer.optim_offload"):
+        _steps(offloaded, opt_off, 5)
+    held = re.findall(r"([0-9.]+) (GB|MiB|KiB) of AdamW state held in host memory", caplog.text)
+    assert len(held) == 1 and float(held[0][0]) > 0, caplog.text  # said once, in a unit that shows it (not 0.00 GB)
     a, b, start = _weights(plain), _weights(offloaded), _weights(_net())
     assert all(torch.equal(a[n], b[n]) for n in a)  # bit for bit
     assert any(not torch.equal(a[n], start[n]) for n in a)  # and the weights moved

@@ -92,7 +92,9 @@ class DryRunReport:
         s, step, ranks = self.checkpoint_bytes, self.first_step, self.ranks
         lines = [
             f"dry run on {self.world_size} rank(s), {self.device}: set-up done, stopped before the first optimizer step",
-            f"checkpoint S = {_size(s)}" if s else "checkpoint: none read (random init) or size unknown (hub id)",
+            f"checkpoint S = {format_bytes(s)}"
+            if s
+            else "checkpoint: none read (random init) or size unknown (hub id)",
             f"first step: {step['micro_batches']} micro-batch(es) per rank, {step['capacity']} tokens over all ranks "
             f"({step['real']} real, {step['trainable']} trainable)",
             "",
@@ -101,7 +103,7 @@ class DryRunReport:
         head = _row("per rank", ["rank 0", "min", "max"] if wide else [f"rank {r.rank}" for r in ranks])
         lines += [head, "-" * len(head), "measured so far (this process):"]
 
-        def row(label: str, values: list, fmt=_size) -> str:
+        def row(label: str, values: list, fmt=format_bytes) -> str:
             return _row(label, [fmt(v) for v in ([values[0], min(values), max(values)] if wide else values)])
 
         lines.append(row("  peak host memory (RSS high-water mark)", [r.peak_rss for r in ranks]))
@@ -147,10 +149,14 @@ def _row(label: str, cells: list[str]) -> str:
     return f"{label:<{LABEL_WIDTH}}" + "".join(f"{c:>12}" for c in cells)
 
 
-def _size(n: int | None) -> str:
+def format_bytes(n: int | None) -> str:
+    """``n`` bytes for a log line or a table: GB from 1 GB on, MiB or KiB below (a tiny model's state is not
+    "0.00 GB")."""
     if n is None:
         return "-"
-    return f"{n / GB:.2f} GB" if n >= GB else f"{n / 2**20:.1f} MiB"
+    if n >= GB:
+        return f"{n / GB:.2f} GB"
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 # ------------------------------------------------------------------------------------------------ measuring

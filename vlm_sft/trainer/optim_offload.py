@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from vlm_sft.checks.memory_report import format_bytes
 from vlm_sft.parallel.fsdp import copy_to
 
 logger = logging.getLogger(__name__)
@@ -68,8 +69,10 @@ class OptimizerStateOffload:
             torch.cuda.current_stream(self.device).synchronize()
         if not self.logged and self.optimizer.state:
             self.logged = True
-            logger.info("train.optimizer_offload: %.2f GB of AdamW state held in host memory between steps (this rank)",
-                        self.state_bytes() / 1e9)  # fmt: skip
+            held = format_bytes(self.state_bytes())
+            logger.info(
+                "train.optimizer_offload: %s of AdamW state held in host memory between steps (this rank)", held
+            )
 
     def state_bytes(self) -> int:
         """Bytes of state held (on the host between steps): what the offload takes out of the device's peak."""
