@@ -72,9 +72,11 @@ def _fake_hf(folder: Path) -> None:
     integrity.write_manifest(hf, ENV)
 
 
-def _save(root: Path, step: int, model, opt, **kw) -> Path:
+def _save(root: Path, step: int, model, opt, keep_last: int = 3, **kw) -> Path:
     st = TrainerState(step=step, scheduler={}, data={"pos": step}, rng=capture_rng(), extra={})
-    return save_checkpoint(root, model=model, optimizer=opt, state=st, env=ENV, keep_last=3, write_extra=_fake_hf, **kw)
+    return save_checkpoint(
+        root, model=model, optimizer=opt, state=st, env=ENV, keep_last=keep_last, write_extra=_fake_hf, **kw
+    )
 
 
 @pytest.fixture
@@ -161,6 +163,22 @@ def test_a_damaged_checkpoint_is_refused_by_name_and_latest_falls_back(two_saved
         assert resolve_resume("latest", newest.parents[1]) == older
     assert f"skipping the damaged checkpoint {newest}" in caplog.text and str(newest / name) in caplog.text
     assert why in caplog.text
+
+
+def test_latest_sets_damaged_checkpoints_aside_so_keep_last_counts_intact_ones(two_saved, caplog):
+    """Step 2 damaged, ``latest`` resumes from step 1 and renames step 2 to ``step-000002.damaged`` (its files kept).
+    The resumed run then saves step 3 with keep_last 2: step 1 stays beside it (left as a checkpoint, the damaged
+    step 2 would be counted as the newer one and the intact step 1 deleted)."""
+    older, newest = two_saved
+    _truncate(newest / SHARD)
+    with caplog.at_level(logging.WARNING):
+        assert resolve_resume("latest", newest.parents[1]) == older
+    aside = newest.with_name(newest.name + ".damaged")
+    assert not newest.exists() and (aside / SHARD).is_file() and f"aside as {aside}" in caplog.text
+    model, opt = _toy()
+    third = _save(newest.parents[1], 3, model, opt, keep_last=2)
+    assert complete_checkpoints(newest.parents[1]) == [older, third]
+    assert aside.is_dir()
 
 
 def test_a_lost_marker_is_reported_and_every_damaged_checkpoint_is_an_error(two_saved, caplog):

@@ -9,7 +9,9 @@ The marker is written last, just before the rename, and records the digest of th
 
 So a resume checks, before it reads anything, that every file is as written (``verify_checkpoint``): a file missing,
 cut short or with other bytes, the manifest itself changed, or the marker of a renamed folder lost. ``latest`` skips
-such a checkpoint with a warning and resumes from the newest intact one; a damaged checkpoint named by path is a
+such a checkpoint with a warning and resumes from the newest intact one, setting the damaged ones aside as
+``step-N.damaged`` (kept for inspection; no longer a checkpoint: a later save's ``keep_last`` would otherwise count a
+damaged one of another step and delete an intact one to keep it); a damaged checkpoint named by path is a
 ``ConfigError`` (exit 2) naming the file. A marker without a manifest line and a folder without a manifest: a
 checkpoint of an older vlm-sft, taken with a warning.
 """
@@ -99,13 +101,16 @@ def _latest_intact(output_dir: str | Path, env: DistEnv) -> Path | None:
     with all_ranks_or_none(env, f"listing the checkpoints in {root}"):
         found = sorted(_step_folders(root), reverse=True) if env.is_main else []
     skipped: list[str] = []
+    damaged: list[Path] = []
     for _, path in gather_objects(found, env)[0]:  # rank 0's list: every rank checks the same folders
-        verdict = verify_checkpoint(path, env)
+        verdict = verify_checkpoint(path, env)  # every rank is done reading ``path`` when this returns
         if verdict.ok:
             if skipped and env.is_main:
                 logger.warning("train.resume = 'latest': resuming from %s, the newest intact checkpoint", path)
+            _set_aside(damaged, env)
             _warn_unchecked(verdict, env)
             return path
+        damaged.append(path)
         skipped.append(verdict.describe())
         if env.is_main:
             logger.warning(
@@ -119,6 +124,22 @@ def _latest_intact(output_dir: str | Path, env: DistEnv) -> Path | None:
                 "or remove them; to start afresh instead, leave train.resume unset or set another train.output_dir"
             )
     return None
+
+
+def _set_aside(damaged: list[Path], env: DistEnv) -> None:
+    """Rename each damaged step folder to ``step-N.damaged`` (``.damaged.2``, ... if taken): out of every later
+    ``latest`` and ``keep_last``, its files kept. Only once an intact checkpoint is found: with none, the run stops
+    and the folders stay as they were (renaming them would make the next ``latest`` start afresh in silence)."""
+    with all_ranks_or_none(env, "setting damaged checkpoints aside"):
+        for path in damaged if env.is_main else []:
+            target, n = path.with_name(path.name + ".damaged"), 1
+            while target.exists():
+                n += 1
+                target = path.with_name(f"{path.name}.damaged.{n}")
+            path.rename(target)
+            logger.warning(
+                "train.resume = 'latest': set the damaged %s aside as %s (delete it when done)", path, target
+            )
 
 
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
