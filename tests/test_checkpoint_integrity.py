@@ -347,7 +347,7 @@ def test_two_ranks_check_together_and_a_failed_save_stops_both(tmp_path):
     assert rank0["error"] == f"PeerFailure: stopped: rank 1 failed while writing the trainer state into {tmp} " + (
         "(its error is printed by that rank)"
     )
-    assert rank0["left"] == rank1["left"] == ["step-000001", "step-000002"]
+    assert rank0["left"] == rank1["left"] == ["step-000001", "step-000002.damaged"]  # set aside by latest
 
 
 # ------------------------------------------------------------------------------------------------ a real run
