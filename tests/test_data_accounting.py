@@ -77,7 +77,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
         return {name: (tmp, run.wait(180, check=False)) for name, (tmp, run) in started.items()}
     finally:
         for _, run in started.values():
-            run.proc.kill()  # the other run too, when one hung
+            run.kill()  # the other run too, when one hung
 
 
 def test_a_run_with_a_few_bad_rows_reports_them_everywhere(runs):

@@ -13,23 +13,17 @@ streamed jsonl) mixed 6 / 3 / 1:
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import re
-import signal
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 from batch_helpers import batch_differences, rank0_batches
 from torch.utils.data import get_worker_info
-from train_helpers import Background, launch_env, read_metrics, run_training, tiny_run_args, train_command
+from train_helpers import Background, is_alive, read_metrics, run_training, tiny_run_args
 
-from vlm_sft.config import DEFAULT_CONFIG, REPO_ROOT, RunConfig, load_config
+from vlm_sft.config import DEFAULT_CONFIG, RunConfig, load_config
 from vlm_sft.data import build as data_build
 from vlm_sft.data import mixture as mixture_module
 
@@ -102,64 +96,6 @@ def _args(tmp: Path, mixture: tuple[Path, Path], **extra: object) -> list[str]:
 # -- training: 2 processes killed and resumed on 1 ---------------------------------------------------------------
 
 
-class _Session(Background):
-    """A ``Background`` run in a session of its own, killed with every process it started. torchrun starts each
-    worker in a session of its own too (torch.distributed.elastic's ``SubprocessHandler``), so a SIGKILL to the
-    launcher, or to its process group, leaves the workers training and writing into the run folder: the kill reaches
-    the launcher's group and every worker's."""
-
-    def __init__(self, args: list[str], *, nproc: int) -> None:
-        self.nproc = nproc
-        self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the run; read back by wait)
-        self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err, text=True,
-            start_new_session=True,
-        )  # fmt: skip
-
-    def kill_all_after(self, checkpoint: Path, timeout: float = 120.0) -> None:
-        """``kill -9`` the launcher's process group and each worker's as soon as ``checkpoint`` is complete, and wait
-        until every one of them is dead; fails if the run ended, or never wrote ``checkpoint``, before the kill."""
-        deadline = time.monotonic() + timeout
-        while not (checkpoint / "COMPLETE").exists() and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        finished = self.proc.poll() is not None
-        workers = _children(self.proc.pid)
-        groups = {self.proc.pid}
-        for pid in workers:
-            with contextlib.suppress(ProcessLookupError):  # a worker that ended meanwhile has no group to kill
-                groups.add(os.getpgid(pid))
-        for group in groups:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline + 30:
-            time.sleep(0.02)
-        if finished or not (checkpoint / "COMPLETE").exists():
-            raise AssertionError(
-                f"the run ended, or never wrote {checkpoint.name}, before the kill:\n{self._output()[1][-6000:]}"
-            )
-        assert len(workers) == self.nproc and not any(_alive(pid) for pid in workers), workers
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux ``/proc``)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):  # a process that ended while the folder was read
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """Still running (a killed process that nobody reaped yet is a zombie, ``Z``: dead)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _counts(record: dict) -> dict:
     return {k: v for k, v in record.items() if k in COUNT_KEYS or k.startswith("samples/")}
 
@@ -193,9 +129,10 @@ def _check_sources(run_dir: Path) -> dict:
 
 def test_mixture_two_processes_killed_and_resumed_on_one_match_one_process(tmp_path, mixture):
     reference = Background(_args(tmp_path / "reference", mixture, **{"train.micro_batches": 2}))
-    victim = _Session(_args(tmp_path / "victim", mixture, **{"train.save_every": 2}), nproc=2)
+    victim = Background(_args(tmp_path / "victim", mixture, **{"train.save_every": 2}), nproc=2)
     checkpoint = tmp_path / "victim" / "run" / "checkpoints" / "step-000002"
-    victim.kill_all_after(checkpoint)
+    workers = victim.kill_after(checkpoint)
+    assert len(workers) == 2 and not any(is_alive(pid) for pid in workers), workers  # no worker trains on
     reference.wait(timeout=180)
 
     expected = _steps(tmp_path / "reference" / "run")

@@ -15,7 +15,6 @@ restarted worker that never joins) fails the test at its timeout instead of leav
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -28,7 +27,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from train_helpers import TRAIN_SCRIPT, deterministic, launch_env, read_metrics, tiny_run_args, train_command
+from train_helpers import (
+    TRAIN_SCRIPT,
+    child_pids,
+    deterministic,
+    kill_process_tree,
+    launch_env,
+    read_metrics,
+    tiny_run_args,
+    train_command,
+)
 
 from vlm_sft.config import REPO_ROOT
 from vlm_sft.trainer import preemption
@@ -41,7 +49,7 @@ ranks), so one uninterrupted 1-process run is the reference of all of them."""
 
 
 class Job:
-    """A command in its own session; ``kill`` ends its whole process group (launcher, workers, data workers)."""
+    """A command in its own session; ``kill`` ends all of it (launcher, workers in their own sessions, data workers)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None = None) -> None:
         self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (read back by wait; files, so a full pipe never blocks)
@@ -67,9 +75,7 @@ class Job:
         return self.out.read(), self.err.read()
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):  # the group ended already
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        kill_process_tree(self.proc)
 
 
 @pytest.fixture
@@ -124,20 +130,6 @@ def _logged_step(run_dir: Path, step: int) -> bool:
     return any("loss" in r and r["step"] >= step for r in _records(run_dir))
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc, no psutil)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:  # ended meanwhile
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 def _environ(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
@@ -166,7 +158,7 @@ def test_sigterm_saves_after_the_next_step_and_the_resume_continues_exactly(tmp_
     jobs.append(victim)
     _wait_for(lambda: _logged_step(run_dir, 2), victim, "a metrics line of step 2")
     logged = max(r["step"] for r in _records(run_dir) if "loss" in r)
-    workers = _children(victim.proc.pid)
+    workers = child_pids(victim.proc.pid)
     assert workers, "the run has a data worker process"
     for pid in [victim.proc.pid, *workers]:  # as a scheduler that signals every process of the job
         os.kill(pid, signal.SIGTERM)
@@ -258,7 +250,7 @@ def test_torchrun_restart_resumes_from_the_latest_checkpoint(tmp_path, reference
     job = Job([*cmd, TRAIN_SCRIPT, *args], env)
     jobs.append(job)
     _wait_for(lambda: (run_dir / "checkpoints" / "step-000002" / "COMPLETE").is_file(), job, "the step-2 checkpoint")
-    [victim] = [pid for pid in _children(job.proc.pid) if _environ(pid).get("RANK") == "1"]
+    [victim] = [pid for pid in child_pids(job.proc.pid) if _environ(pid).get("RANK") == "1"]
     os.kill(victim, signal.SIGKILL)
     # Unfixed, the restarted workers wait in init_process_group for its 10-minute timeout: fail long before.
     code, _, err = job.wait(240)

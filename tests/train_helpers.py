@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -69,15 +70,20 @@ def train_command(args: list[str], nproc: int = 1) -> list[str]:
 
 class Background:
     """A training run started in the background, so that independent runs of one test share the cores (a run is
-    mostly one process importing torch and transformers); ``wait`` collects it."""
+    mostly one process importing torch and transformers); ``wait`` collects it, ``kill`` ends all of it."""
 
     def __init__(self, args: list[str], *, nproc: int = 1) -> None:
         # Output goes to files, not pipes: a run nobody reads until it ends must never block on a full pipe.
         self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the run; read back by wait)
         self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err, text=True
-        )
+            train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+
+    def kill(self) -> list[int]:
+        """SIGKILL every process of the run, as a node lost at once (``kill_process_tree``); returns the workers."""
+        return kill_process_tree(self.proc)
 
     def _output(self) -> tuple[str, str]:
         for f in (self.out, self.err):
@@ -90,21 +96,66 @@ class Background:
         try:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
             raise
         out, err = self._output()
         if check and self.proc.returncode != 0:
             raise AssertionError(f"training failed ({self.proc.returncode}):\n{out[-4000:]}\n{err[-8000:]}")
         return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, out, err)
 
-    def kill_after(self, checkpoint: Path, timeout: float = 120.0) -> None:
-        """SIGKILL the run as soon as ``checkpoint`` is complete; fails if the run ended before it could be killed."""
+    def kill_after(self, checkpoint: Path, timeout: float = 120.0) -> list[int]:
+        """SIGKILL the whole run as soon as ``checkpoint`` is complete; returns the workers killed (torchrun's; none
+        for one process). Fails if the run ended, or never wrote ``checkpoint``, before the kill."""
         deadline = time.monotonic() + timeout
         while not (checkpoint / "COMPLETE").exists() and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        assert self.proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+        finished = self.proc.poll() is not None
+        workers = self.kill()
+        if finished or self.proc.returncode != -signal.SIGKILL or not (checkpoint / "COMPLETE").exists():
+            raise AssertionError(
+                f"the run ended, or never wrote {checkpoint.name}, before the kill:\n{self._output()[1][-6000:]}"
+            )
+        return workers
+
+
+def kill_process_tree(proc: subprocess.Popen, wait_s: float = 30.0) -> list[int]:
+    """SIGKILL ``proc``'s process group (started with ``start_new_session``) and the group of each of its children,
+    then wait until every one is dead; returns the children. torchrun starts each worker in a session of its own
+    (torch.distributed.elastic's ``SubprocessHandler``), so killing the launcher's group alone would leave them
+    training. Nothing once ``proc`` was collected (its group id may belong to another process by then)."""
+    if proc.poll() is not None:
+        return []
+    children = child_pids(proc.pid)
+    groups = {proc.pid}
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):  # a child that ended meanwhile has no group to kill
+            groups.add(os.getpgid(pid))
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(group, signal.SIGKILL)
+    proc.wait(timeout=wait_s)
+    deadline = time.monotonic() + wait_s
+    while any(is_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return children
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux ``/proc``)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):  # a process that ended while the folder was read
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
+
+
+def is_alive(pid: int) -> bool:
+    """Still running (a killed process that nobody reaped yet is a zombie, ``Z``: dead)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def run_training(args: list[str], *, nproc: int = 1, timeout: float = 120.0) -> subprocess.CompletedProcess:
