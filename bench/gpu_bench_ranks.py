@@ -16,9 +16,9 @@ Expert parallelism (``--ep N``, default 1: none; **not run yet**: no machine wit
 was written): with N or more CUDA GPUs, the MoE model of the MoE rows (``--moe-layers`` layers, first backend) on the
 ``bfd`` packs, on N GPUs at ep 1 (FSDP2 over the N ranks: every layer's experts gathered) and at ep N (each rank holds
 E / N experts whole and sends the tokens to them: ``vlm_sft.parallel.expert_parallel``), through the trainer's own
-``build_mesh`` / ``parallelize`` (bf16 FSDP2 compute over fp32 master weights) and its expert-gradient and per-mesh
-clipping steps; each rank trains its own packs (``batches[rank::N]``), so both launches take the same global batch.
-Per rank: real tokens/s, step time, peak memory, MFU; the ep N / ep 1 ratio of tokens/s per GPU. With fewer GPUs it
+``build_mesh`` / ``parallelize`` (bf16 FSDP2 compute over fp32 master weights; the experts an FSDP2 unit of their
+own over a one-rank ``edp``) and its per-mesh clipping; each rank trains its own packs (``batches[rank::N]``), so
+both launches take the same global batch. Per rank: real tokens/s, step time, peak memory, MFU; the ep N / ep 1 ratio of tokens/s per GPU. With fewer GPUs it
 prints that it skipped and why, and exits 0 when no GPU is visible at all; ``--smoke --ep 2`` runs the same launches
 on the CPU over gloo (shrunken model, float32). ``bench/bench_ep.py`` has the expected bytes per layer.
 """
