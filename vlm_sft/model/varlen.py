@@ -414,8 +414,7 @@ class _ToRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_PF: torch.Tensor, row_of_pair: torch.Tensor, padding_rows: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(row_of_pair)
-        rows_RF = x_PF.new_empty(row_of_pair.numel() + padding_rows.numel(), x_PF.shape[1])
-        return rows_RF.index_fill_(0, padding_rows, 0.0).index_copy_(0, row_of_pair, x_PF)
+        return _scatter_rows(x_PF, row_of_pair, padding_rows)
 
     @staticmethod
     def backward(ctx, grad_RF: torch.Tensor):
@@ -434,8 +433,13 @@ class _FromRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_PF: torch.Tensor):
         row_of_pair, padding_rows = ctx.saved_tensors
-        grad_RF = grad_PF.new_empty(row_of_pair.numel() + padding_rows.numel(), grad_PF.shape[1])
-        return grad_RF.index_fill_(0, padding_rows, 0.0).index_copy_(0, row_of_pair, grad_PF.contiguous()), None, None
+        return _scatter_rows(grad_PF.contiguous(), row_of_pair, padding_rows), None, None
+
+
+def _scatter_rows(x_PF: torch.Tensor, row_of_pair: torch.Tensor, padding_rows: torch.Tensor) -> torch.Tensor:
+    """``rows[row_of_pair[p]] = x[p]`` and every padding row zero (``_ToRows``' forward, ``_FromRows``' backward)."""
+    rows_RF = x_PF.new_empty(row_of_pair.numel() + padding_rows.numel(), x_PF.shape[1])
+    return rows_RF.index_fill_(0, padding_rows, 0.0).index_copy_(0, row_of_pair, x_PF)
 
 
 def clear_layout_caches() -> None:
