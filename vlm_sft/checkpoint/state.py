@@ -274,10 +274,7 @@ def _write_checkpoint(
         if env.is_main:
             (tmp / COMPLETE_MARKER).write_text(marker_text(state.step, env.world_size, digest), encoding="utf-8")
             integrity.sync_files([tmp / COMPLETE_MARKER, tmp])
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            integrity.sync_files([final.parent])
+            integrity.replace_folder(tmp, final)  # an earlier step-N (a re-save) aside first; the parent synced
 
 
 def _writer_rank(relative: str) -> int:
