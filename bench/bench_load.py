@@ -93,16 +93,26 @@ def _reset_peak() -> None:
 # ------------------------------------------------------------------------------------------------ the runs
 
 
-def launch(ranks: int, out_dir: Path, args: list[str]) -> list[dict]:
-    """``args`` on ``ranks`` processes (one plain process for 1), each through ``worker``; every rank's figures."""
+def worker_launch(
+    script: str, ranks: int, out_dir: Path, args: list[str], *, drop: tuple[str, ...] = ()
+) -> tuple[list[str], dict[str, str]]:
+    """``(command, environment)`` that run ``script --worker out_dir -- args`` on ``ranks`` processes (one plain
+    process for 1, else ``torch.distributed.run``), offline, one thread each; ``drop``: more variables left out of
+    this process's environment. Creates ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    me = [str(Path(__file__).resolve()), "--worker", str(out_dir), "--"]
+    me = [str(Path(script).resolve()), "--worker", str(out_dir), "--"]
     if ranks == 1:
         cmd = [sys.executable, *me, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *me, *args]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", *drop)}
     env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return cmd, env
+
+
+def launch(ranks: int, out_dir: Path, args: list[str]) -> list[dict]:
+    """``args`` on ``ranks`` processes (one plain process for 1), each through ``worker``; every rank's figures."""
+    cmd, env = worker_launch(__file__, ranks, out_dir, args)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(

@@ -161,14 +161,8 @@ class Launched:
 
 def launch(ranks: int, out_dir: Path, args: list[str], env_extra: dict[str, str]) -> Launched:
     """Start ``args`` on ``ranks`` processes (a plain process for 1), each through ``worker``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    me = [str(Path(__file__).resolve()), "--worker", str(out_dir), "--"]
-    if ranks == 1:
-        cmd = [sys.executable, *me, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *me, *args]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", *MODES["alloc"])}
-    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} | env_extra
+    cmd, env = bench_load.worker_launch(__file__, ranks, out_dir, args, drop=tuple(MODES["alloc"]))
+    env |= env_extra
     with (out_dir / "log.txt").open("w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     return Launched(ranks, out_dir, cmd, proc)
