@@ -76,14 +76,19 @@ class Background:
         # Output goes to files, not pipes: a run nobody reads until it ends must never block on a full pipe.
         self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the run; read back by wait)
         self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
+        self.nproc = nproc
         self.proc = subprocess.Popen(
             train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err, text=True,
             start_new_session=True,
         )  # fmt: skip
 
-    def kill(self) -> list[int]:
-        """SIGKILL every process of the run, as a node lost at once (``kill_process_tree``); returns the workers."""
-        return kill_process_tree(self.proc)
+    def kill(self, workers: list[int] | None = None) -> list[int]:
+        """SIGKILL every process of the run, as a node lost at once (``kill_process_tree``); returns the workers.
+        ``workers``: torchrun's, when already known (found now otherwise); a one-process run has none of its own
+        session (its data workers share its group)."""
+        if workers is None:
+            workers = child_pids(self.proc.pid) if self.nproc > 1 else []
+        return kill_process_tree(self.proc, workers)
 
     def _output(self) -> tuple[str, str]:
         for f in (self.out, self.err):
@@ -106,11 +111,13 @@ class Background:
     def kill_after(self, checkpoint: Path, timeout: float = 120.0) -> list[int]:
         """SIGKILL the whole run as soon as ``checkpoint`` is complete; returns the workers killed (torchrun's; none
         for one process). Fails if the run ended, or never wrote ``checkpoint``, before the kill."""
-        deadline = time.monotonic() + timeout
+        deadline, workers, found_at = time.monotonic() + timeout, [], 0.0
         while not (checkpoint / "COMPLETE").exists() and self.proc.poll() is None and time.monotonic() < deadline:
+            if self.nproc > 1 and time.monotonic() - found_at > 0.25:  # known before the checkpoint: no walk of
+                workers, found_at = child_pids(self.proc.pid), time.monotonic()  # /proc between it and the kill
             time.sleep(0.02)
         finished = self.proc.poll() is not None
-        workers = self.kill()
+        workers = self.kill(workers)
         if finished or self.proc.returncode != -signal.SIGKILL or not (checkpoint / "COMPLETE").exists():
             raise AssertionError(
                 f"the run ended, or never wrote {checkpoint.name}, before the kill:\n{self._output()[1][-6000:]}"
@@ -118,14 +125,15 @@ class Background:
         return workers
 
 
-def kill_process_tree(proc: subprocess.Popen, wait_s: float = 30.0) -> list[int]:
-    """SIGKILL ``proc``'s process group (started with ``start_new_session``) and the group of each of its children,
-    then wait until every one is dead; returns the children. torchrun starts each worker in a session of its own
-    (torch.distributed.elastic's ``SubprocessHandler``), so killing the launcher's group alone would leave them
-    training. Nothing once ``proc`` was collected (its group id may belong to another process by then)."""
+def kill_process_tree(proc: subprocess.Popen, children: list[int] | None = None, wait_s: float = 30.0) -> list[int]:
+    """SIGKILL ``proc``'s process group (started with ``start_new_session``) and the group of each of its children
+    (``children``: found now when None), then wait until every one is dead; returns the children. torchrun starts each
+    worker in a session of its own (torch.distributed.elastic's ``SubprocessHandler``), so killing the launcher's group
+    alone would leave them training. Nothing once ``proc`` was collected (its group id may belong to another process by
+    then)."""
     if proc.poll() is not None:
         return []
-    children = child_pids(proc.pid)
+    children = child_pids(proc.pid) if children is None else children
     groups = {proc.pid}
     for pid in children:
         with contextlib.suppress(ProcessLookupError):  # a child that ended meanwhile has no group to kill
