@@ -65,6 +65,9 @@ class Message:
     """Assistant tool calls, OpenAI shape ``{"type": "function", "function": {"name", "arguments": dict}}``."""
     extra: tuple[tuple[str, Any], ...] = ()
     """Other keys of the message (``name``, ``tool_call_id``, ...), passed to the template unchanged."""
+    trained: bool = True
+    """False for an assistant turn given ``weight: 0`` (OpenAI's fine-tuning convention): rendered as context, never
+    a training target (a prompt's own assistant turns in TRL's prompt / completion form)."""
 
     @property
     def blocks(self) -> tuple[Block, ...]:
@@ -180,13 +183,17 @@ def normalize_message(message: Any) -> Message:
     calls = message.get("tool_calls") or ()
     if not isinstance(calls, list | tuple):
         raise RenderError("bad_tool_call", f"tool_calls of type {type(calls).__name__}")
-    skip = {"role", "content", "tool_calls", *_REASONING_KEYS}
+    weight = message.get("weight", 1)
+    if isinstance(weight, bool) or weight not in (0, 1):
+        raise RenderError("bad_weight", f"weight {weight!r}; a turn's weight is 0 (context only) or 1 (trained)")
+    skip = {"role", "content", "tool_calls", "weight", *_REASONING_KEYS}
     return Message(
         role=role,
         content=normalize_content(message.get("content")),
         reasoning_content=reasoning,
         tool_calls=tuple(normalize_tool_call(c) for c in calls),
         extra=tuple((k, v) for k, v in message.items() if k not in skip),
+        trained=weight == 1,
     )
 
 
@@ -249,7 +256,9 @@ def merge_text_runs(message: Message) -> Message:
             blocks[-1] = TextBlock(blocks[-1].text + b.text)
         else:
             blocks.append(b)
-    return Message(message.role, tuple(blocks), message.reasoning_content, message.tool_calls, message.extra)
+    return Message(
+        message.role, tuple(blocks), message.reasoning_content, message.tool_calls, message.extra, message.trained
+    )
 
 
 def map_strings(value: Any, fn: Callable[[str], str]) -> Any:
@@ -276,6 +285,7 @@ def map_message_text(message: Message, fn: Callable[[str], str]) -> Message:
         reasoning_content=None if message.reasoning_content is None else fn(message.reasoning_content),
         tool_calls=tuple(map_strings(c, fn) for c in message.tool_calls),
         extra=tuple((k, map_strings(v, fn)) for k, v in message.extra),
+        trained=message.trained,
     )
 
 

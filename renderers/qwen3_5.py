@@ -322,7 +322,9 @@ class Qwen3_5Renderer:
             position += len(piece) + 1  # the mark that followed this piece
         return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
-    def _trained_spans(self, text: str, spans: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    def _trained_spans(
+        self, text: str, spans: list[list[int]], conversation: Sequence[Message]
+    ) -> tuple[list[list[int]], list[int]]:
         """(the spans ``loss_on`` trains, the tokenization cut after the last span's served prompt).
 
         A span whose text begins with the served generation prompt (``renderers.served``) is a *stable prefix*:
@@ -339,12 +341,14 @@ class Qwen3_5Renderer:
             trained = spans[-1:]
         else:
             trained = [span for span, cut in zip(spans, cuts, strict=True) if cut is not None]
+        context = _context_spans(spans, conversation)
+        trained = [span for span in trained if tuple(span) not in context]
         return trained, [cuts[-1]] if cuts and cuts[-1] is not None else []
 
     def _render(self, messages: Any, tools: Any, sample_index: int) -> RenderedSample:
         conversation, tools_, found = self._prepare(messages, tools)
         text, spans = self._template(conversation, tools_)
-        trained, cuts = self._trained_spans(text, spans)
+        trained, cuts = self._trained_spans(text, spans, conversation)
         ids, offsets = self._tokenize(text, cuts)
 
         starts, ends = offsets[:, 0], offsets[:, 1]
@@ -424,6 +428,21 @@ class Qwen3_5Renderer:
             placeholders=placeholders,
             image_hashes=tuple(p.content_hash for p in processed),
         )
+
+
+def _context_spans(spans: list[list[int]], conversation: Sequence[Message]) -> set[tuple[int, int]]:
+    """The generation spans of assistant turns given ``weight: 0`` (the template marks one span per assistant turn,
+    in order; a template that does not cannot say which span is whose, so such a turn is refused)."""
+    assistant = [m for m in conversation if m.role == "assistant"]
+    if all(m.trained for m in assistant):
+        return set()
+    if len(assistant) != len(spans):
+        raise RenderError(
+            "template_error",
+            f"the chat template marks {len(spans)} generation spans for {len(assistant)} assistant turns, so the "
+            "turns given weight 0 cannot be told apart",
+        )
+    return {tuple(span) for span, m in zip(spans, assistant, strict=True) if not m.trained}
 
 
 _VISION_TOKENS = (("vision_start_token", "<|vision_start|>"), ("vision_end_token", "<|vision_end|>"))

@@ -130,7 +130,7 @@ def test_sharegpt_raw_integer_value_leaves_other_rows_alone(renderer, data_dir):
     ]
     where = write_lines(data_dir / "sharegpt.jsonl", rows, {3: b"{not json", 5: b"   "})
     source = load_conversations(data_dir / "sharegpt.jsonl", cache_dir=str(data_dir / "cache"))
-    assert source.shape == "sharegpt"
+    assert source.schema.format == "sharegpt"
     red = str(data_dir / "images" / "red.png")
     for i, answer in enumerate(ANSWERS):
         messages = [

@@ -103,7 +103,7 @@ def absolute(rows: list[dict], root: Path) -> list[dict]:
 
 def test_messages_jsonl_shape_a(renderer, data_dir):
     source = load_conversations(write_jsonl(data_dir / "train.jsonl", MESSAGE_ROWS), cache_dir=str(data_dir / "cache"))
-    assert len(source) == 3 and source.shape == "messages"
+    assert len(source) == 3 and source.schema.format == "messages"
     expected = absolute(MESSAGE_ROWS, data_dir)
     for i in range(3):
         conversation = source[i]
@@ -217,7 +217,7 @@ def test_sharegpt_jsonl_shape_b(renderer, data_dir):
     source = load_conversations(
         write_jsonl(data_dir / "sharegpt.jsonl", SHAREGPT_ROWS), cache_dir=str(data_dir / "cache")
     )
-    assert source.shape == "sharegpt" and len(source) == 4
+    assert source.schema.format == "sharegpt" and len(source) == 4
     red, blue, green = (str(data_dir / "images" / f"{c}.png") for c in ("red", "blue", "green"))
     expected = [
         [
@@ -311,7 +311,7 @@ def test_messages_with_placeholder_blocks_and_images_column(renderer, data_dir):
     bad = ConversationSource(datasets.Dataset.from_dict(rows), image_root=data_dir)
     with pytest.raises(RenderError) as info:
         bad[0]
-    assert info.value.reason == "image_count_mismatch" and info.value.sample_index == 0
+    assert info.value.reason == "images_without_placeholders" and info.value.sample_index == 0
 
 
 def test_bad_rows_raise_with_their_index(renderer, data_dir):
@@ -337,12 +337,17 @@ def test_bad_rows_raise_with_their_index(renderer, data_dir):
             fn(i)
         assert info.value.sample_index == i
         reasons[i] = info.value.reason
-    assert reasons == {1: "image_count_mismatch", 2: "unknown_role", 3: "missing_image", 4: "no_assistant_turn"}
+    assert reasons == {
+        1: "more_placeholders_than_images",
+        2: "unknown_role",
+        3: "missing_image",
+        4: "no_assistant_turn",
+    }
 
 
 def test_unknown_columns_refused(data_dir):
-    path = write_jsonl(data_dir / "odd.jsonl", [{"prompt": "x", "completion": "y"}])
-    with pytest.raises(ValueError, match="no 'messages' or 'conversations' column"):
+    path = write_jsonl(data_dir / "odd.jsonl", [{"dialog": "x", "reply": "y"}])
+    with pytest.raises(ValueError, match=r"no schema fits \(its columns: dialog, reply\)"):
         load_conversations(path, cache_dir=str(data_dir / "cache"))
 
 
@@ -385,4 +390,4 @@ def test_row_converter_detects_the_shape_per_row(data_dir):
     assert sharegpt.index == 8 and sharegpt.messages[0]["content"][0] == {"type": "image", "image": red}
     with pytest.raises(RenderError) as info:
         convert({"prompt": "x"}, 9)
-    assert info.value.reason == "bad_message" and info.value.sample_index == 9
+    assert info.value.reason == "unrecognised_row" and info.value.sample_index == 9

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from vlm_sft.config_base import ConfigError, Section
-from vlm_sft.config_sources import SourceConfig, check_source_names
+from vlm_sft.config_sources import RowFormat, SourceConfig, check_source_names
 
 TINY_MODEL = "tiny"
 """``model.name_or_path`` value that builds the offline tiny Qwen3.5 preset instead of loading a checkpoint."""
@@ -146,9 +146,14 @@ class ShapesConfig(Section):
     """Folder under which the dataset is materialized (a subfolder per seed and size)."""
 
 
-class DataConfig(Section):
+class DataConfig(RowFormat):
+    """The data of a run. The fields it shares with every ``[[data.sources]]`` table (``format`` and the column / key
+    / role mapping) apply to ``source`` and ``eval_source`` (``subset`` to ``eval_source`` when it names the same
+    dataset, e.g. its ``test`` split); a mixture sets them per table."""
+
     source: str = SHAPES_DATASET
-    """``shapes``, a local jsonl / json / parquet file, or a hub dataset id."""
+    """``shapes``, a local jsonl / json / parquet file, a folder of them (a local snapshot of a hub dataset too), or a
+    hub dataset id."""
     split: str = "train"
     """Split to read for hub datasets and files loaded through ``datasets``."""
     eval_source: str | None = None
@@ -235,6 +240,14 @@ class DataConfig(Section):
                     f"[[data.{field}]] table per source"
                 )
             check_source_names(field, tables)
+        changed = [
+            name for name in RowFormat.model_fields if getattr(self, name) != RowFormat.model_fields[name].default
+        ]
+        if changed and (self.sources or self.eval_sources):
+            raise ConfigError(
+                f"data.{changed[0]} is set beside [[data.sources]] / [[data.eval_sources]] tables, where it would "
+                f"apply to nothing: set {changed[0]} = ... in each table it is meant for"
+            )
         return self
 
     @property

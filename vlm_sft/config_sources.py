@@ -1,22 +1,78 @@
 """The tables of a data mixture (``[[data.sources]]``, ``[[data.eval_sources]]``): one ``SourceConfig`` each, the
 name a source gets when its table names none, and the check that names are unique (they label the metrics and the
-accounting). Re-exported by ``vlm_sft.config``."""
+accounting). ``RowFormat`` holds how a source's rows are read (subset, schema, column / key / role mapping), shared
+with ``[data]``'s one-source form. Re-exported by ``vlm_sft.config``."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, field_validator
 
 from vlm_sft.config_base import ConfigError, Section
 
+SCHEMAS = ("messages", "sharegpt", "pairs", "prompt_completion", "qa")
+"""The row schemas the loader reads (``vlm_sft/data/schemas.py``); ``auto`` recognises them from the columns."""
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a mapped role name can stand for."""
 
-class SourceConfig(Section):
+
+class RowFormat(Section):
+    """How a source's rows are read: which subset, which schema, and (for schemas the loader cannot recognise) which
+    columns and turn keys hold what. Every field is optional: ``auto`` recognises the public schemas."""
+
+    subset: str | None = None
+    """The dataset's subset (``datasets``' config name, e.g. ``ai2d`` of HuggingFaceM4/the_cauldron), for a hub id
+    or a local snapshot of one (a folder with a README.md ``configs:`` list, or one subfolder per subset). None: the
+    only (or default) subset; a folder without ``configs:`` is read whole."""
+    format: Literal["auto", "messages", "sharegpt", "pairs", "prompt_completion", "qa"] = "auto"
+    """The row schema: ``messages`` (chat messages with typed blocks), ``sharegpt`` (``conversations`` of
+    from/value turns with ``<image>`` markers), ``pairs`` (``texts: [{user, assistant}]``), ``prompt_completion``
+    (TRL's form; loss on the completion only), ``qa`` (one question, one or several answers); ``auto`` recognises
+    each from its columns and logs which it read and why."""
+    conversation_column: str | None = None
+    """Column holding the turns (``messages`` / ``sharegpt``) or the pairs (``pairs``); None: the schema's own name
+    (``messages``; ``conversations`` / ``conversation``; ``texts``)."""
+    images_column: str | None = None
+    """Column holding the row's images (a list, or one image); None: ``images``, else ``image``."""
+    system_column: str | None = None
+    """Column holding a system prompt for the row; None: ``system`` when the rows have it."""
+    question_column: str | None = None
+    """``qa``: column holding the question; None: the first of ``question``, ``query``, ``prompt``, ``instruction``."""
+    answer_column: str | None = None
+    """``qa``: column holding the answer (a string, or a list whose first entry trains and whose others are kept as
+    references for scoring); None: the first of ``answer``, ``answers``, ``label``, ``response``."""
+    role_key: str | None = None
+    """Key of a turn's role; None: ``role``, else ``from`` (whichever a turn has set)."""
+    content_key: str | None = None
+    """Key of a turn's text or blocks; None: ``content``, else ``value``."""
+    roles: dict[str, str] = {}
+    """Role names of the data and the chat role each means (``{customer = "user", agent = "assistant"}``), on top
+    of the known ones (human / user, gpt / assistant / bot / model, system, tool / observation)."""
+
+    @field_validator("roles")
+    @classmethod
+    def _check_roles(cls, roles: dict[str, str]) -> dict[str, str]:
+        wrong = {name: role for name, role in roles.items() if role not in CHAT_ROLES}
+        if wrong:
+            raise ConfigError(
+                f'roles = {wrong}: a role name must map to one of {", ".join(CHAT_ROLES)} (e.g. agent = "assistant")'
+            )
+        return roles
+
+    def row_format(self) -> RowFormat:
+        """These settings alone (to hand from ``[data]`` to the one-source table)."""
+        return RowFormat(**{name: getattr(self, name) for name in RowFormat.model_fields})
+
+
+class SourceConfig(RowFormat):
     """One source of a mixture (``[[data.sources]]``, or ``[[data.eval_sources]]`` for held-out data)."""
 
     source: str = Field(min_length=1)
     """``shapes``, a local jsonl / json / parquet file or folder of shards, or a hub dataset id (as ``data.source``)."""
     name: str | None = Field(None, min_length=1)
     """Name in logs, ``metrics.jsonl`` (``samples/<name>``, ``eval_loss/<name>``) and the accounting; None: the
-    file's (or folder's) stem, or the last part of a hub id."""
+    ``subset`` when one is set, else the file's (or folder's) stem, or the last part of a hub id."""
     weight: float = 1.0
     """Relative share of the training *samples* drawn from this source (weights 6, 3, 1 draw 60 / 30 / 10 percent).
     To leave a source out, remove its table. Ignored for ``eval_sources``."""
@@ -41,8 +97,8 @@ class SourceConfig(Section):
 
     @property
     def label(self) -> str:
-        """``name``, or the name derived from ``source``."""
-        return self.name or source_name(self.source)
+        """``name``, or the name derived from ``source`` (a subset's own name when one is set)."""
+        return self.name or self.subset or source_name(self.source)
 
 
 SPLIT_STEMS = ("train", "eval", "test", "val", "valid", "validation", "dev", "data")

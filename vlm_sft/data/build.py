@@ -28,17 +28,18 @@ from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, ConfigError, RunConfig, 
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.mixture import ConcatSource, Mixture, MixturePart
 from vlm_sft.data.pipeline import IndexOrder, PackingPipeline
+from vlm_sft.data.schemas import RowConverter, RowMapping, Schema, SchemaError, detect_schema
 from vlm_sft.data.shapes import materialize_shapes
+from vlm_sft.data.snapshots import SnapshotError
 from vlm_sft.data.sources import (
     ConversationSource,
-    RowConverter,
     RowRenderFn,
     hub_cache_roots,
     load_conversations,
     local_path,
     render_fn,
 )
-from vlm_sft.data.streaming import StreamingRows, local_files
+from vlm_sft.data.streaming import StreamingRows, local_files, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -125,25 +126,46 @@ class StreamedSource:
     """A ``data.streaming`` source: rows are read while training (``StreamingRows``), never prepared on local disk."""
 
     path: str
-    """Local parquet / jsonl file or folder of shards, or a hub dataset id."""
+    """Local parquet / jsonl file, folder of shards or hub snapshot, or a hub dataset id."""
     split: str
-    """Split of a hub dataset."""
+    """Split of a hub dataset or snapshot."""
     images: ImageRoots
     """Where its images may be read from (by default the data folder; for a hub dataset its caches)."""
+    subset: str | None = None
+    """Subset (``datasets`` config name) of a hub dataset or snapshot."""
+    schema: Schema | None = None
+    """How its rows are read, recognised from the first row (None: per row)."""
+    files: str = "streamed"
+    """How its files were found, for the start log."""
 
     @classmethod
     def open(
-        cls, path: str, *, split: str, image_root: str | None, allowed_image_roots: tuple[str, ...]
+        cls,
+        path: str,
+        *,
+        split: str,
+        subset: str | None,
+        mapping: RowMapping,
+        image_root: str | None,
+        allowed_image_roots: tuple[str, ...],
     ) -> StreamedSource:
-        """Checks the local files now (a missing one is an error at start-up, not in a data worker)."""
-        files = local_files(path)
+        """Checks the local files and reads the first row now (a missing file, subset or column is an error at
+        start-up, not in a data worker)."""
+        files = local_files(path, subset=subset, split=split)
         allowed = tuple(allowed_image_roots)
         if files is None:
             root, allowed = image_root, allowed + hub_cache_roots(None)
+            kwargs = {"name": subset} if subset else {}
         else:
             folder = Path(path).expanduser()
             root = image_root or str(folder if folder.is_dir() else folder.parent)
-        return cls(path, split, ImageRoots(root, allowed))
+            kwargs = {}
+        first = next(iter(open_stream(path, split=split, files=files, load_kwargs=kwargs)), None)
+        if first is None:
+            raise ValueError(f"{path}: no rows")
+        schema = detect_schema(first.keys(), mapping, name=path)
+        how = "hub dataset" if files is None else f"{len(files[1])} file(s)"
+        return cls(path, split, ImageRoots(root, allowed), subset, schema, f"streamed, {how}")
 
 
 @dataclass(frozen=True)
@@ -216,7 +238,7 @@ def load_sources(cfg: RunConfig) -> DataSources:
         train = MixedSources(tuple(MixedSource(e.label, e.weight, _open(cfg, e, shapes)) for e in d.sources))
         _log_mixture(train)
     else:
-        train = _open(cfg, SourceConfig(source=d.source, name="train"), shapes)
+        train = _open(cfg, one_source_table(cfg, d.source, "train"), shapes)
     if d.eval_sources:
         parts = [
             (e.label, _open(cfg, e.model_copy(update={"streaming": False}), shapes, held_out=True))
@@ -224,7 +246,7 @@ def load_sources(cfg: RunConfig) -> DataSources:
         ]
         held = ConcatSource(parts)
     elif d.eval_source is not None or (d.source == SHAPES_DATASET and not d.sources and d.shapes.num_eval):
-        entry = SourceConfig(source=d.eval_source or SHAPES_DATASET, name="eval", streaming=False)
+        entry = one_source_table(cfg, d.eval_source or SHAPES_DATASET, "eval", streaming=False)
         held = _open(cfg, entry, shapes, held_out=True)
     else:
         held = None
@@ -247,28 +269,52 @@ def _open(
     if path == SHAPES_DATASET:
         path = str(shapes["eval" if held_out else "train"])
     split = entry.split or d.split
-    roots = {
+    settings = {
+        "split": split,
+        "subset": entry.subset,
+        "mapping": RowMapping.from_settings(entry.model_dump()),
         "image_root": entry.image_root or d.image_root,
         "allowed_image_roots": (*d.allowed_image_roots, *entry.allowed_image_roots),
     }
     streaming = d.streaming if entry.streaming is None else entry.streaming
-    empty = ConfigError(f"{_what(cfg, entry, held_out)} ({entry.source}) has no rows; fill it or remove its table")
+    what = f"{_what(cfg, entry, held_out)} ({entry.source})"
+    empty = ConfigError(f"{what} has no rows; fill it or remove its table")
     try:
         local = local_path(path)
         if local is not None and local.is_file() and local.stat().st_size == 0:  # ``datasets``: "no data!"
             raise empty
         if streaming and entry.source != SHAPES_DATASET:
-            return StreamedSource.open(path, split=split, **roots)
-        source = load_conversations(path, split=split, **roots)
+            source = StreamedSource.open(path, **settings)
+        else:
+            source = load_conversations(path, **settings)
     except ConfigError:
         raise
+    except (SchemaError, SnapshotError) as err:  # our own messages name what exists and the fix
+        raise ConfigError(f"{what}: {err}") from err
     except Exception as err:  # a missing file, an unknown hub id, an unreadable format: name the source
-        raise ConfigError(
-            f"{_what(cfg, entry, held_out)} ({entry.source}) cannot be read: {type(err).__name__}: {err}"
-        ) from err
-    if not len(source):
+        raise ConfigError(f"{what} cannot be read: {type(err).__name__}: {err}") from err
+    if not isinstance(source, StreamedSource) and not len(source):
         raise empty
+    logger.info("data: %s read as %s; %s", what, source.schema.describe(), source.files)
     return source
+
+
+def one_source_table(cfg: RunConfig, source: str, name: str, **update: Any) -> SourceConfig:
+    """``data.source`` / ``data.eval_source`` as the one table of a mixture, with ``[data]``'s mapping, and its subset
+    where ``source`` is ``data.source`` itself (held-out rows in another file have no subset of their own)."""
+    settings = cfg.data.row_format().model_dump()
+    if source != cfg.data.source:
+        settings["subset"] = None
+    return SourceConfig(source=source, name=name, **settings, **update)
+
+
+def source_schemas(sources: DataSources) -> dict[str, str]:
+    """Each training source's name and the schema it was read as (``Schema.describe``), for the data report."""
+    if isinstance(sources.train, MixedSources):
+        parts = [(p.name, p.source) for p in sources.train.parts]
+    else:
+        parts = [("train", sources.train)]
+    return {name: s.schema.describe() if s.schema else "recognised per row" for name, s in parts}
 
 
 def _what(cfg: RunConfig, entry: SourceConfig, held_out: bool) -> str:
@@ -368,10 +414,10 @@ def build_pipeline(
 def _streamed(
     cfg: RunConfig, source: StreamedSource, renderer: Any, *, shard: int, num_shards: int, shuffle: bool, seed: int
 ) -> StreamingRows:
-    convert = RowRenderFn(RowConverter(None, source.images), renderer)
+    convert = RowRenderFn(RowConverter(source.schema, source.images), renderer)
     return StreamingRows(
         source.path, row_to_sample=convert, shard=shard, num_shards=num_shards, split=source.split,
-        shuffle_files=shuffle, seed=seed,
+        subset=source.subset, shuffle_files=shuffle, seed=seed,
     )  # fmt: skip
 
 

@@ -1,13 +1,9 @@
-"""Dataset sources: load chat data and hand out conversations in one shape, exactly as the data wrote them.
+"""Dataset sources: load chat data and hand out conversations in one canonical shape, exactly as the data wrote them.
 
-Accepted row shapes (detected from the columns):
-
-- **messages** (OpenAI / HF chat): ``messages: [{role, content}]`` where ``content`` is a string or typed blocks;
-  image blocks hold a path / bytes / data URI, or are bare ``{"type": "image"}`` placeholders filled in order from
-  an ``images`` (or ``image``) column. Optional ``tools`` column (a list, or a JSON string).
-- **ShareGPT / LLaVA**: ``conversations: [{from, value}]`` with ``<image>`` markers in the text, images from an
-  ``image`` / ``images`` column (paths, or the datasets ``Image`` feature). Without any marker the images go in
-  front of the first user turn (LLaVA's convention). Optional ``system`` and ``tools`` columns.
+Which row schemas are read (``messages``, ShareGPT, ``texts`` pairs, prompt / completion, question / answer, or
+columns mapped by the config) and how each becomes the canonical conversation is ``vlm_sft.data.schemas``'; where
+the rows come from (a file, a folder of shards, a local snapshot of a hub dataset with its subsets, a hub id) is
+decided here and in ``vlm_sft.data.snapshots``.
 
 Storage. Local json / jsonl files are read line by line in Python (``json_rows``) and stored as their JSON text, so
 a string stays a string whatever the other rows hold and a bad line is one ``malformed_row`` skip naming its file
@@ -16,10 +12,9 @@ struct field another row had with ``None``, which ``drop_none`` removes again on
 ``Image(decode=False)`` so images stay encoded bytes until the renderer decodes (and hashes) them. To write parquet
 from rows that mix string and block content, use ``rows_to_dataset`` (``normalize_row_for_arrow``).
 
-Numbers where text is expected (``"content": 12``, a ShareGPT ``"value": 12``, ``{"type": "text", "text": 4}``)
-train as their JSON text (``"12"``), in every storage form. Image paths resolve against the image root (by default
-the data file's folder) and must lie inside it or an allowed root (``image_roots``). Every ``Conversation`` carries
-its row index, and conversion problems raise ``RenderError`` naming that row.
+Image paths resolve against the image root (by default the data file's folder) and must lie inside it or an allowed
+root (``image_roots``). Every ``Conversation`` carries its row index, and conversion problems raise ``RenderError``
+naming that row.
 """
 
 from __future__ import annotations
@@ -40,69 +35,19 @@ from renderers.errors import RenderError
 from renderers.types import RenderedSample
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.json_rows import column_values, decode_row, is_json_rows, load_json_rows, row_keys
+from vlm_sft.data.schemas import (
+    AUTO,
+    Conversation,
+    RowConverter,
+    RowMapping,
+    Schema,
+    as_text,
+    detect_schema,
+    message_numbers_as_text,
+)
+from vlm_sft.data.snapshots import DATA_SUFFIXES, snapshot_files
 
 logger = logging.getLogger(__name__)
-
-IMAGE_MARKER = "<image>"
-"""The ShareGPT / LLaVA image placeholder in message text."""
-
-SHAREGPT_ROLES: dict[str, str] = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "model": "assistant",
-    "bot": "assistant",
-    "chatgpt": "assistant",
-    "system": "system",
-    "tool": "tool",
-    "observation": "tool",
-    "function_response": "tool",
-}
-"""ShareGPT ``from`` values and the chat role each means."""
-
-_FILE_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-_IMAGE_COLUMNS = ("images", "image")
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """One dataset row as a chat conversation."""
-
-    messages: list[dict]
-    """Messages in the OpenAI / HF chat shape (roles system / user / assistant / tool, typed blocks)."""
-    tools: list[dict] | None
-    """Tool schemas offered in this conversation, or None."""
-    index: int
-    """Row index in the source dataset, for error reports and accounting."""
-
-
-def as_text(value: Any) -> Any:
-    """A raw JSON number or boolean where text is expected, as its JSON text (``12`` -> ``"12"``, ``true`` ->
-    ``"true"``): the answer the data meant, where a type error would only skip the row. Anything else unchanged."""
-    if isinstance(value, bool | int | float):
-        return json.dumps(value)
-    return value
-
-
-def message_numbers_as_text(message: Mapping) -> dict:
-    """The message with ``as_text`` applied to its content (a scalar, text blocks, bare list entries) and its
-    reasoning; a single block dict as content becomes a one-block list (``normalize_content`` reads it so too)."""
-    out = dict(message)
-    content = out.get("content")
-    if isinstance(content, Mapping):
-        content = [content]
-    if isinstance(content, list):
-        out["content"] = [
-            {**b, "text": as_text(b["text"])} if isinstance(b, Mapping) and "text" in b else as_text(b) for b in content
-        ]
-    elif "content" in out:
-        out["content"] = as_text(content)
-    for key in _REASONING_KEYS:
-        if key in out:
-            out[key] = as_text(out[key])
-    return out
 
 
 def normalize_row_for_arrow(row: Mapping) -> dict:
@@ -167,7 +112,7 @@ def local_path(path_or_id: str | os.PathLike) -> Path | None:
     parts = Path(text).parts
     looks_local = (
         isinstance(path_or_id, os.PathLike)
-        or text.lower().endswith(tuple(_FILE_KINDS))
+        or text.lower().endswith(tuple(DATA_SUFFIXES))
         or text.startswith((".", "/", "~"))
         or text.count("/") > 1
         or (len(parts) > 1 and Path(parts[0]).is_dir())
@@ -179,17 +124,14 @@ def local_path(path_or_id: str | os.PathLike) -> Path | None:
     return None
 
 
-def _load_local(path: Path, cache_dir: str | None) -> datasets.Dataset:
-    files = sorted(p for p in path.iterdir() if p.suffix.lower() in _FILE_KINDS) if path.is_dir() else [path]
-    if not files:
-        raise FileNotFoundError(f"no .jsonl / .json / .parquet files in {path.absolute()}")
-    kinds = {_FILE_KINDS.get(p.suffix.lower()) for p in files}
-    if None in kinds or len(kinds) != 1:
-        raise ValueError(f"data files must all be .jsonl / .json or all .parquet, got {[p.name for p in files]}")
-    if kinds == {"parquet"}:
-        data_files = [str(p) for p in files]
-        return datasets.load_dataset("parquet", data_files=data_files, split="train", cache_dir=cache_dir)
-    return load_json_rows(files, cache_dir)
+def _load_local(path: Path, *, subset: str | None, split: str, cache_dir: str | None) -> tuple[datasets.Dataset, str]:
+    """The rows of a local file, folder or snapshot (``snapshots``), and how its files were picked."""
+    found = snapshot_files(path, subset=subset, split=split)
+    what = found.layout + (f", subset {found.subset!r}" if found.subset else "") + f", {len(found.files)} file(s)"
+    if found.kind == "parquet":
+        ds = datasets.load_dataset("parquet", data_files=list(found.files), split="train", cache_dir=cache_dir)
+        return ds, what
+    return load_json_rows([Path(f) for f in found.files], cache_dir), what
 
 
 def hub_cache_roots(cache_dir: str | None) -> tuple[str, ...]:
@@ -213,36 +155,48 @@ def load_conversations(
     path_or_id: str | os.PathLike,
     *,
     split: str = "train",
+    subset: str | None = None,
+    mapping: RowMapping = AUTO,
     image_root: str | os.PathLike | None = None,
     allowed_image_roots: Iterable[str | os.PathLike] = (),
     cache_dir: str | None = None,
     **load_kwargs: Any,
 ) -> ConversationSource:
-    """Load a local file / folder (jsonl, json, parquet) or a hub dataset id as a ``ConversationSource``.
+    """Load a local file / folder / hub snapshot (jsonl, json, parquet) or a hub dataset id as a
+    ``ConversationSource`` read by ``mapping`` (``auto``: the schema recognised from the columns).
 
-    ``split`` applies to hub datasets (a local file is one split). Image paths resolve against ``image_root``, by
-    default the data file's folder (a hub dataset has none), and must lie in it or in ``allowed_image_roots`` (a
-    hub dataset may also read the ``datasets`` / hub caches, where ``datasets`` keeps its own image files).
-    A missing local path raises ``FileNotFoundError`` without asking the hub.
+    ``subset`` is ``datasets``' config name (a snapshot's subset, ``snapshots``); ``split`` picks a hub dataset's or a
+    snapshot's files (a single local file is one split). Image paths resolve against ``image_root``, by default the
+    data file's folder (a hub dataset has none), and must lie in it or in ``allowed_image_roots`` (a hub dataset may
+    also read the ``datasets`` / hub caches, where ``datasets`` keeps its own image files). A missing local path
+    raises ``FileNotFoundError`` without asking the hub.
     """
     local = local_path(path_or_id)
     allowed = tuple(allowed_image_roots)
     if local is not None:
-        ds = _load_local(local, cache_dir)
+        ds, files = _load_local(local, subset=subset, split=split, cache_dir=cache_dir)
         root = image_root if image_root is not None else (local if local.is_dir() else local.parent)
     else:
+        if subset is not None:
+            load_kwargs = {"name": subset, **load_kwargs}
         ds = datasets.load_dataset(str(path_or_id), split=split, cache_dir=cache_dir, **load_kwargs)
         root, allowed = image_root, allowed + hub_cache_roots(cache_dir)
-    return ConversationSource(ds, image_root=root, allowed_image_roots=allowed, name=os.fspath(path_or_id))
+        files = f"hub dataset, subset {subset!r}, split {split!r}" if subset else f"hub dataset, split {split!r}"
+    source = ConversationSource(
+        ds, mapping=mapping, image_root=root, allowed_image_roots=allowed, name=os.fspath(path_or_id)
+    )
+    source.files = files
+    return source
 
 
 class ConversationSource:
-    """Random access to the conversations of a ``datasets.Dataset`` (rows converted on read)."""
+    """Random access to the canonical conversations of a ``datasets.Dataset`` (rows converted on read)."""
 
     def __init__(
         self,
         dataset: datasets.Dataset,
         *,
+        mapping: RowMapping = AUTO,
         image_root: str | os.PathLike | None = None,
         allowed_image_roots: Iterable[str | os.PathLike] = (),
         name: str = "dataset",
@@ -250,24 +204,19 @@ class ConversationSource:
         self.json_rows = is_json_rows(dataset)
         """True for ``json_rows`` storage (rows kept as JSON text), False for typed columns (parquet, hub)."""
         columns = row_keys(dataset) if self.json_rows else set(dataset.column_names)
-        if "messages" in columns:
-            self.shape = "messages"
-        elif "conversations" in columns:
-            self.shape = "sharegpt"
-        else:
-            raise ValueError(
-                f"{name}: no 'messages' or 'conversations' column (columns: {sorted(columns)}); "
-                "expected the OpenAI/HF chat shape or ShareGPT/LLaVA"
-            )
+        self.schema: Schema = detect_schema(columns, mapping, name=name)
+        """How the rows are read (``schemas.detect_schema``), named in the start log and the data report."""
         self.dataset = dataset if self.json_rows else _lazy_images(dataset)
         """The underlying rows (image columns not decoded)."""
         self.images = ImageRoots(image_root, tuple(allowed_image_roots))
         """Where images may be read from; every image path goes through it before the renderer sees it."""
         self.image_root = None if self.images.root is None else Path(self.images.root)
         """Folder that relative image paths resolve against (None: none; only allowed roots' images are read)."""
-        self.convert = RowConverter(self.shape, self.images)
-        """Row dict -> ``Conversation``."""
+        self.convert = RowConverter(self.schema, self.images)
+        """Row dict -> canonical ``Conversation``."""
         self.name = name
+        self.files = "in memory"
+        """How the rows' files were found (``snapshots``), for the start log."""
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -295,154 +244,6 @@ class ConversationSource:
         if self.json_rows:
             return column_values(self.dataset, name)
         return list(self.dataset[name]) if name in self.dataset.column_names else None
-
-
-@dataclass(frozen=True)
-class RowConverter:
-    """One raw row (a dict as the data holds it) to a ``Conversation``: the row shape's rules, numbers as text, every
-    image path through the image-root policy. Picklable; usable on rows from anywhere (a streamed row too)."""
-
-    shape: str | None
-    """``messages`` or ``sharegpt``; None: decided per row by its keys."""
-    images: ImageRoots
-    """Where images may be read from."""
-
-    def __call__(self, row: Mapping, index: int = -1) -> Conversation:
-        """The conversation of ``row``; ``RenderError`` naming ``index`` when the row cannot be one."""
-        try:
-            shape = self.shape or _shape_of(row)
-            tools = _tools(row.get("tools"))
-            messages = self._messages_row(row) if shape == "messages" else self._sharegpt_row(row)
-        except RenderError as e:
-            raise e.with_index(index) from e
-        return Conversation(messages=messages, tools=tools, index=index)
-
-    def _column_images(self, row: Mapping) -> list:
-        for column in _IMAGE_COLUMNS:
-            if row.get(column) is not None:
-                value = row[column]
-                return [self.images.resolve(v) for v in (value if isinstance(value, list) else [value])]
-        return []
-
-    def _messages_row(self, row: Mapping) -> list[dict]:
-        if not isinstance(row.get("messages"), list):
-            kind = type(row.get("messages")).__name__ if "messages" in row else "missing"
-            raise RenderError("bad_message", f"'messages' is {kind}, not a list")
-        pending = self._column_images(row)
-        used = 0
-        messages = []
-        for m in row["messages"]:
-            if not isinstance(m, Mapping):
-                messages.append(m)  # the renderer names what is wrong with it
-                continue
-            m = message_numbers_as_text(m)
-            if isinstance(m.get("content"), list):
-                blocks = []
-                for block in m["content"]:
-                    if isinstance(block, Mapping) and block.get("type") == "image" and not _has_source(block):
-                        if used >= len(pending):
-                            raise RenderError(
-                                "image_count_mismatch", f"more image blocks than the {len(pending)} images"
-                            )
-                        block = {"type": "image", "image": pending[used]}  # already resolved
-                        used += 1
-                    else:
-                        block = self.images.resolve_block(block)
-                    blocks.append(block)
-                m["content"] = blocks
-            messages.append(m)
-        if pending and used == 0 and not any(_has_image_block(m) for m in messages):
-            return _front_load(messages, pending)
-        if used != len(pending):
-            raise RenderError("image_count_mismatch", f"{used} image placeholders but {len(pending)} images in the row")
-        return messages
-
-    def _sharegpt_row(self, row: Mapping) -> list[dict]:
-        turns = row.get("conversations")
-        if not isinstance(turns, list):
-            kind = type(turns).__name__ if "conversations" in row else "missing"
-            raise RenderError("bad_message", f"'conversations' is {kind}, not a list")
-        if not all(isinstance(t, Mapping) for t in turns):
-            raise RenderError("bad_message", "a ShareGPT turn is not an object {from, value}")
-        images = self._column_images(row)
-        values = [_turn_text(t) for t in turns]
-        markers = sum(v.count(IMAGE_MARKER) for v in values if isinstance(v, str))
-        if markers and markers != len(images):
-            raise RenderError("image_count_mismatch", f"{markers} {IMAGE_MARKER} markers but {len(images)} images")
-        messages: list[dict] = []
-        system = as_text(row.get("system"))
-        if isinstance(system, str) and system.strip():
-            messages.append({"role": "system", "content": system})
-        queue = list(images)
-        front_loaded = not markers and bool(images)
-        for turn, value in zip(turns, values, strict=True):
-            speaker = str(turn.get("from", turn.get("role", "")))
-            role = SHAREGPT_ROLES.get(speaker.lower())
-            if role is None:
-                raise RenderError("unknown_role", f"ShareGPT speaker {speaker!r}; known: {', '.join(SHAREGPT_ROLES)}")
-            if not isinstance(value, str):
-                raise RenderError("bad_content", f"ShareGPT value of type {type(value).__name__}")
-            blocks: list[dict] = []
-            if front_loaded and role == "user":
-                blocks += [{"type": "image", "image": img} for img in queue]
-                queue, front_loaded = [], False
-            pieces = value.split(IMAGE_MARKER)
-            for i, piece in enumerate(pieces):
-                if i > 0:
-                    blocks.append({"type": "image", "image": queue.pop(0)})
-                if piece:
-                    blocks.append({"type": "text", "text": piece})
-            messages.append({"role": role, "content": blocks if any(b["type"] == "image" for b in blocks) else value})
-        if queue:
-            raise RenderError("image_count_mismatch", f"{len(queue)} images left over: no user turn to put them in")
-        return messages
-
-
-def _shape_of(row: Mapping) -> str:
-    if "messages" in row:
-        return "messages"
-    if "conversations" in row:
-        return "sharegpt"
-    raise RenderError("bad_message", f"a row with neither 'messages' nor 'conversations' (keys: {sorted(row)[:8]})")
-
-
-def _turn_text(turn: Mapping) -> Any:
-    """A ShareGPT turn's text: ``value`` (or ``content``), a number as its JSON text, null as empty."""
-    value = turn.get("value", turn.get("content"))
-    return "" if value is None else as_text(value)
-
-
-def _front_load(messages: list[dict], images: list) -> list[dict]:
-    """Put images in front of the first user turn (LLaVA's convention when the text has no placeholder)."""
-    for i, m in enumerate(messages):
-        if m.get("role") == "user":
-            content = m.get("content")
-            text = string_content_to_blocks(content if content is not None else "")
-            messages[i] = {**m, "content": [*({"type": "image", "image": img} for img in images), *text]}
-            return messages
-    raise RenderError("image_count_mismatch", f"{len(images)} images but no user turn to put them in")
-
-
-def _has_source(block: Mapping) -> bool:
-    return any(block.get(k) is not None for k in ("image", "url", "path", "base64", "image_url"))
-
-
-def _has_image_block(message: Mapping) -> bool:
-    content = message.get("content")
-    return isinstance(content, list) and any(isinstance(b, Mapping) and b.get("type") == "image" for b in content)
-
-
-def _tools(value: Any) -> list[dict] | None:
-    if value is None or value == "" or value == []:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RenderError("bad_tools", f"'tools' is not valid JSON: {value!r:.80}") from e
-    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
-        raise RenderError("bad_tools", f"'tools' must be a list of tool schemas, got {type(value).__name__}")
-    return [dict(t) for t in value]
 
 
 @dataclass(frozen=True)

@@ -36,19 +36,14 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from renderers.types import RenderedSample
+from vlm_sft.data.snapshots import DataKind, snapshot_files
 from vlm_sft.data.sources import local_path
 
 logger = logging.getLogger(__name__)
 
-DataKind = Literal["parquet", "json"]
-"""The ``datasets`` builder that reads local shards."""
-
-SUFFIXES: dict[str, DataKind] = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
-"""File name endings read from a local folder, and their builder."""
 
 RowToSample = Callable[[dict, int], RenderedSample]
 """``(raw row, sample index) -> RenderedSample``; raises a ``SampleError`` subclass for a row that cannot be used."""
@@ -59,41 +54,17 @@ DEFAULT_MAX_HISTORY = 16_384
 ``bfd_buffer``); the limit only bounds a pass that never saves its state (the data report)."""
 
 
-def local_files(source: str | os.PathLike, kind: DataKind | None = None) -> tuple[DataKind, list[str]] | None:
-    """``(builder, sorted file paths)`` of a local file or folder, or None when ``source`` names a hub dataset.
-
-    A folder contributes every ``.parquet`` / ``.jsonl`` / ``.json`` file below it (hidden folders left out), in
-    sorted path order: the order decides which shard reads which file, so it must be the same on every process."""
+def local_files(
+    source: str | os.PathLike, *, subset: str | None = None, split: str = "train"
+) -> tuple[DataKind, list[str]] | None:
+    """``(builder, sorted file paths)`` of a local file, folder or hub snapshot (``snapshots.snapshot_files``: its
+    subset and split), or None when ``source`` names a hub dataset. The sorted order decides which shard reads which
+    file, so it is the same on every process."""
     path = local_path(source)  # a missing local-looking path is FileNotFoundError, never a hub lookup
     if path is None:
         return None
-    if path.is_file():
-        files = [path]
-    else:
-        files = sorted(
-            (p for p in path.rglob("*") if p.is_file() and _kind_of(p) and not _hidden(p.relative_to(path))),
-            key=lambda p: p.as_posix(),
-        )
-        if kind is not None:
-            files = [p for p in files if _kind_of(p) == kind]
-        if not files:
-            wanted = ", ".join(s for s, k in SUFFIXES.items() if kind in (None, k))
-            raise FileNotFoundError(f"{source}: no {wanted} files in this folder; point data.source at the shards")
-    kinds = {_kind_of(p) for p in files}
-    if kind is None:
-        if len(kinds) != 1 or None in kinds:
-            found = sorted(str(k) for k in kinds)
-            raise ValueError(f"{source}: cannot tell the file format ({found}); pass kind='parquet' or kind='json'")
-        kind = kinds.pop()
-    return kind, [str(p) for p in files]
-
-
-def _kind_of(path: Path) -> DataKind | None:
-    return SUFFIXES.get(path.suffix.lower())
-
-
-def _hidden(relative: Path) -> bool:
-    return any(part.startswith((".", "_")) for part in relative.parts)
+    found = snapshot_files(path, subset=subset, split=split)
+    return found.kind, list(found.files)
 
 
 def open_stream(
@@ -136,7 +107,7 @@ class StreamingRows:
         shard: int = 0,
         num_shards: int = 1,
         split: str = "train",
-        kind: DataKind | None = None,
+        subset: str | None = None,
         shuffle_files: bool = False,
         seed: int = 0,
         decode: bool = False,
@@ -149,8 +120,10 @@ class StreamingRows:
             raise ValueError(f"max_history={max_history}: must be >= 1")
         self.source = str(source)
         """Local file, folder of shards, or hub dataset id."""
-        self.files = local_files(source, kind)
+        self.files = local_files(source, subset=subset, split=split)
         """``(builder, sorted paths)`` for a local source (listed once, here), None for a hub id."""
+        if self.files is None and subset is not None:
+            load_kwargs = {"name": subset, **(load_kwargs or {})}
         self.row_to_sample = row_to_sample
         self.shard, self.num_shards = shard, num_shards
         self.split = split

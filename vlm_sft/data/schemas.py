@@ -1,0 +1,528 @@
+"""Row schemas: every dataset row shape the loader reads, recognised per source and turned into one canonical
+conversation before rendering, so the same rows in two schemas train on the same tokens, images and loss mask.
+
+Schemas (``format``), as the public datasets store them:
+
+- ``messages``: ``messages: [{role, content}]`` (OpenAI / HF chat), content a string or typed blocks; an image block
+  holds its source, or is a bare ``{"type": "image"}`` placeholder (with the ``index`` of its image, as
+  HuggingFaceH4/llava-instruct-mix-vsft writes it, or in order) filled from the images column. Optional ``tools``.
+- ``sharegpt``: ``conversations: [{from, value}]`` with ``<image>`` markers (LLaVA, LLaVA-OneVision).
+- ``pairs``: ``texts: [{user, assistant, ...}]``, one element per turn, other keys (``source``) ignored, the keys in
+  any order (HuggingFaceM4/the_cauldron, FineVision, Docmatix).
+- ``prompt_completion``: ``prompt`` (messages before the reply, or a string) + ``completion`` (the reply's messages,
+  or a string), as TRL trains it: only the completion's turns train.
+- ``qa``: one question and one answer, or a list of reference answers (VQA-style data): the first trains, all are
+  kept on the conversation (``references``) for scoring.
+
+Turns are read one way in every schema: the role under ``role`` or ``from``, the text or blocks under ``content`` or
+``value``, whichever is set (Arrow's merged structs, e.g. LLaVA-OneVision-1.5's ``{content, from, role, value}``, hold
+the other two as null), role names through ``ROLE_NAMES`` and the source's own ``roles``. Numbers where text is
+expected train as their JSON text.
+
+The canonical form is chat messages with typed blocks, every image resolved through the image-root policy; an
+assistant turn that must not train carries ``weight: 0`` (OpenAI's fine-tuning convention, accepted in data too).
+
+Images vs placeholders, one rule for every schema (``place_images``): a placeholder is an ``<image>`` marker in a
+turn's text or a bare image block. No placeholder at all: the row's images go before the first user turn's text, in
+column order (the card convention of the_cauldron and LLaVA). As many placeholders as images: in order (or by
+``index``). Anything else is a counted skip with its own reason and the row, never a crash and never a silent drop.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from renderers.content import string_content_to_blocks
+from renderers.errors import RenderError
+from vlm_sft.data.image_roots import ImageRoots
+
+IMAGE_MARKER = "<image>"
+"""The ShareGPT / LLaVA image placeholder in message text."""
+
+ROLE_NAMES: dict[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_response": "tool",
+}
+"""Role names found in public data (lowercased) and the chat role each means."""
+
+FORMATS = ("messages", "sharegpt", "pairs", "prompt_completion", "qa")
+"""The schemas, in the order ``auto`` tries them."""
+TURN_COLUMNS: dict[str, tuple[str, ...]] = {
+    "messages": ("messages",),
+    "sharegpt": ("conversations", "conversation"),
+    "pairs": ("texts",),
+}
+"""Where each turn-list schema keeps its turns by default."""
+IMAGE_COLUMNS = ("images", "image")
+QUESTION_COLUMNS = ("question", "query", "prompt", "instruction")
+ANSWER_COLUMNS = ("answer", "answers", "label", "response")
+
+REASON_MORE_PLACEHOLDERS = "more_placeholders_than_images"
+"""Skip: a row with more ``<image>`` markers / image blocks than images."""
+REASON_UNPLACED_IMAGES = "images_without_placeholders"
+"""Skip: a row that marks some of its images but not all."""
+REASON_BAD_IMAGE_INDEX = "image_index_out_of_range"
+"""Skip: an image block names an index the row's images do not have."""
+REASON_NO_USER_TURN = "images_without_user_turn"
+"""Skip: a row with images but no placeholder and no user turn to put them in."""
+REASON_NO_ANSWER = "no_answer"
+"""Skip: a ``qa`` row without an answer."""
+REASON_UNRECOGNISED = "unrecognised_row"
+"""Skip: a streamed row whose keys fit no schema."""
+
+_TURN_KEYS = ("role", "from", "content", "value")
+_MARKER_RE = re.compile(re.escape(IMAGE_MARKER))
+
+
+class SchemaError(ValueError):
+    """A source whose columns fit no schema, or a mapping that names a column the source does not have."""
+
+
+@dataclass(frozen=True)
+class RowMapping:
+    """What a config says about a source's rows (``[data]`` / ``[[data.sources]]``: ``format`` and the ``*_column``,
+    ``*_key`` and ``roles`` settings); every field None / ``auto`` means: recognise it."""
+
+    format: str = "auto"
+    conversation_column: str | None = None
+    images_column: str | None = None
+    system_column: str | None = None
+    question_column: str | None = None
+    answer_column: str | None = None
+    role_key: str | None = None
+    content_key: str | None = None
+    roles: tuple[tuple[str, str], ...] = ()
+    """The data's own role names and the chat role each means."""
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> RowMapping:
+        """From a config section's fields (extra fields ignored); ``roles`` as a dict."""
+        values = {k: settings[k] for k in cls.__dataclass_fields__ if k in settings}
+        values["roles"] = tuple(sorted(dict(values.get("roles") or {}).items()))
+        return cls(**values)
+
+
+AUTO = RowMapping()
+"""The mapping of a source whose config sets nothing: every schema recognised from its columns."""
+
+
+@dataclass(frozen=True)
+class Schema:
+    """How one source's rows are read, decided once per source by ``detect_schema``."""
+
+    format: str
+    """One of ``FORMATS``."""
+    reason: str
+    """Why: the columns that decided it, or the setting that named it (logged and in the data report)."""
+    turns: str | None = None
+    """Column of the turns (``messages`` / ``sharegpt``), pairs (``pairs``) or prompt (``prompt_completion``)."""
+    completion: str | None = None
+    """``prompt_completion``: the completion's column."""
+    question: str | None = None
+    answer: str | None = None
+    images: tuple[str, ...] = IMAGE_COLUMNS
+    """Columns looked in for the row's images, in order (the first that is set)."""
+    system: str | None = "system"
+    """Column of a system prompt (used where a row has it)."""
+    role_key: str | None = None
+    content_key: str | None = None
+    roles: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """``pairs (column 'texts' ...)``: what the start log and the data report print."""
+        return f"{self.format} ({self.reason})"
+
+
+def detect_schema(columns: Collection[str], mapping: RowMapping = AUTO, *, name: str = "source") -> Schema:
+    """The schema of a source with ``columns``: the one ``mapping.format`` names, else the first of ``FORMATS`` whose
+    columns are there. A mapped column the source lacks, or columns that fit nothing, raise ``SchemaError`` naming
+    the source and the columns it has."""
+    columns = set(columns)
+    have = f"its columns: {', '.join(sorted(columns)) or 'none'}"
+    for setting in ("conversation_column", "images_column", "system_column", "question_column", "answer_column"):
+        column = getattr(mapping, setting)
+        if column is not None and column not in columns:
+            raise SchemaError(f"{name}: {setting} = {column!r} is not a column of this source ({have})")
+    common = {
+        "images": (mapping.images_column,) if mapping.images_column else IMAGE_COLUMNS,
+        "system": mapping.system_column or "system",
+        "role_key": mapping.role_key,
+        "content_key": mapping.content_key,
+        "roles": dict(mapping.roles),
+    }
+    formats = FORMATS if mapping.format == "auto" else (mapping.format,)
+    for fmt in formats:
+        found = _columns_of(fmt, columns, mapping)
+        if found is not None:
+            reason = found.pop("reason")
+            if mapping.format != "auto":
+                reason = f"format = {fmt!r}; {reason}"
+            return Schema(fmt, reason, **found, **common)
+    if mapping.format != "auto":
+        raise SchemaError(f"{name}: format = {mapping.format!r} needs {_needs(mapping.format)} ({have})")
+    raise SchemaError(
+        f"{name}: no schema fits ({have}); the loader reads messages, conversations (ShareGPT), texts (pairs), "
+        "prompt + completion, or a question + answer column; for anything else set format and the *_column / "
+        "role_key / content_key / roles settings (README: Your data)"
+    )
+
+
+def _columns_of(fmt: str, columns: set[str], mapping: RowMapping) -> dict | None:
+    """The columns schema ``fmt`` would read, with the reason, or None when the source lacks them."""
+    if fmt in TURN_COLUMNS:
+        column = mapping.conversation_column or next((c for c in TURN_COLUMNS[fmt] if c in columns), None)
+        if column is None:
+            return None
+        return {"turns": column, "reason": f"column {column!r} holds the {_WHAT[fmt]}"}
+    if fmt == "prompt_completion":
+        if not {"prompt", "completion"} <= columns:
+            return None
+        return {"turns": "prompt", "completion": "completion", "reason": "columns 'prompt' + 'completion'"}
+    question = mapping.question_column or next((c for c in QUESTION_COLUMNS if c in columns), None)
+    answer = mapping.answer_column or next((c for c in ANSWER_COLUMNS if c in columns), None)
+    if question is None or answer is None:
+        return None
+    return {"question": question, "answer": answer, "reason": f"columns {question!r} + {answer!r}"}
+
+
+_WHAT = {
+    "messages": "chat messages",
+    "sharegpt": "ShareGPT turns",
+    "pairs": "[{user, assistant}] pairs",
+}
+
+
+def _needs(fmt: str) -> str:
+    if fmt in TURN_COLUMNS:
+        return f"a {' / '.join(repr(c) for c in TURN_COLUMNS[fmt])} column or conversation_column"
+    if fmt == "prompt_completion":
+        return "'prompt' and 'completion' columns"
+    return (
+        f"a question column ({' / '.join(QUESTION_COLUMNS)}, or question_column) and an answer column "
+        f"({' / '.join(ANSWER_COLUMNS)}, or answer_column)"
+    )
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One dataset row as a chat conversation, in the canonical form."""
+
+    messages: list[dict]
+    """Messages in the OpenAI / HF chat shape (roles system / user / assistant / tool, typed blocks, images
+    resolved); an assistant turn with ``weight: 0`` is context, not trained."""
+    tools: list[dict] | None
+    """Tool schemas offered in this conversation, or None."""
+    index: int
+    """Row index in the source dataset, for error reports and accounting."""
+    references: tuple[str, ...] = ()
+    """Reference answers of a ``qa`` row (the first is the one trained), for scoring; empty otherwise."""
+
+
+def as_text(value: Any) -> Any:
+    """A raw JSON number or boolean where text is expected, as its JSON text (``12`` -> ``"12"``, ``true`` ->
+    ``"true"``): the answer the data meant, where a type error would only skip the row. Anything else unchanged."""
+    if isinstance(value, bool | int | float):
+        return json.dumps(value)
+    return value
+
+
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def message_numbers_as_text(message: Mapping) -> dict:
+    """The message with ``as_text`` applied to its content (a scalar, text blocks, bare list entries) and its
+    reasoning; a single block dict as content becomes a one-block list (``normalize_content`` reads it so too)."""
+    out = dict(message)
+    content = out.get("content")
+    if isinstance(content, Mapping):
+        content = [content]
+    if isinstance(content, list):
+        out["content"] = [
+            {**b, "text": as_text(b["text"])} if isinstance(b, Mapping) and "text" in b else as_text(b) for b in content
+        ]
+    elif "content" in out:
+        out["content"] = as_text(content)
+    for key in _REASONING_KEYS:
+        if key in out:
+            out[key] = as_text(out[key])
+    return out
+
+
+@dataclass(frozen=True)
+class RowConverter:
+    """One raw row (a dict as the data holds it) to a canonical ``Conversation``: the schema's rules, numbers as
+    text, every image through the image-root policy. Picklable; usable on rows from anywhere (a streamed row too)."""
+
+    schema: Schema | None
+    """How the rows are read; None: recognised per row from its keys (``auto``)."""
+    images: ImageRoots
+    """Where images may be read from."""
+
+    def __call__(self, row: Mapping, index: int = -1) -> Conversation:
+        """The conversation of ``row``; ``RenderError`` naming ``index`` when the row cannot be one."""
+        try:
+            schema = self.schema or _row_schema(row)
+            messages, references = _READERS[schema.format](row, schema)
+            messages = _with_system(row, schema, messages)
+            messages = place_images(messages, self._column_images(row, schema), self.images)
+            tools = _tools(row.get("tools"))
+        except RenderError as e:
+            raise e.with_index(index) from e
+        return Conversation(messages=messages, tools=tools, index=index, references=references)
+
+    def _column_images(self, row: Mapping, schema: Schema) -> list:
+        for column in schema.images:
+            value = row.get(column)
+            if value is not None:
+                return [
+                    self.images.resolve(v) for v in (value if isinstance(value, list) else [value]) if v is not None
+                ]
+        return []
+
+
+def _row_schema(row: Mapping) -> Schema:
+    try:
+        return detect_schema(row.keys(), name="row")
+    except SchemaError as e:
+        raise RenderError(REASON_UNRECOGNISED, str(e).removeprefix("row: ")) from e
+
+
+# ----------------------------------------------------------------------------------------------- readers
+
+
+def _turn(turn: Any, schema: Schema) -> dict:
+    """One turn as a chat message: role and content from whichever key holds them, the role name mapped."""
+    if not isinstance(turn, Mapping):
+        raise RenderError("bad_message", f"a turn of type {type(turn).__name__}, not an object {{role, content}}")
+    role_keys = (schema.role_key,) if schema.role_key else ("role", "from")
+    content_keys = (schema.content_key,) if schema.content_key else ("content", "value")
+    speaker = next((turn[k] for k in role_keys if turn.get(k) is not None), None)
+    content = next((turn[k] for k in content_keys if turn.get(k) is not None), None)
+    role = _role(speaker, schema)
+    skip = {*_TURN_KEYS, *role_keys, *content_keys}
+    message = {k: v for k, v in turn.items() if k not in skip and v is not None}
+    return message_numbers_as_text({"role": role, **message, "content": "" if content is None else content})
+
+
+def _role(speaker: Any, schema: Schema) -> str:
+    name = str(speaker) if speaker is not None else ""
+    role = schema.roles.get(name) or ROLE_NAMES.get(name.lower())
+    if role is None:
+        known = ", ".join([*schema.roles, *ROLE_NAMES])
+        raise RenderError("unknown_role", f"role {speaker!r}; known: {known} (map others with roles = {{...}})")
+    return role
+
+
+def _turn_list(value: Any, what: str, schema: Schema) -> list[dict]:
+    if isinstance(value, Mapping):
+        value = [value]
+    if not isinstance(value, list):
+        kind = "missing" if value is None else type(value).__name__
+        raise RenderError("bad_message", f"{what} is {kind}, not a list of turns")
+    return [_turn(t, schema) for t in value]
+
+
+def _read_turns(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
+    return _turn_list(row.get(schema.turns), repr(schema.turns), schema), ()
+
+
+def _read_pairs(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
+    pairs = row.get(schema.turns)
+    if not isinstance(pairs, list) or not all(isinstance(p, Mapping) for p in pairs):
+        raise RenderError("bad_message", f"{schema.turns!r} is not a list of {{user, assistant}} objects")
+    messages = []
+    for pair in pairs:
+        by_role = {_pair_role(k, schema): v for k, v in pair.items()}
+        for role in ("user", "assistant"):
+            text = by_role.get(role)
+            messages.append({"role": role, "content": "" if text is None else as_text(text)})
+    return messages, ()
+
+
+def _pair_role(key: str, schema: Schema) -> str | None:
+    """The role a pair's key names (``user``, ``assistant`` or a mapped name); None for other keys (``source``)."""
+    role = schema.roles.get(key) or ROLE_NAMES.get(key.lower())
+    return role if role in ("user", "assistant") else None
+
+
+def _read_prompt_completion(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
+    prompt, completion = row.get(schema.turns), row.get(schema.completion)
+    if isinstance(prompt, str):
+        context = [{"role": "user", "content": prompt}]
+    else:
+        context = _turn_list(prompt, "'prompt'", schema)
+    if isinstance(completion, str):
+        reply = [{"role": "assistant", "content": completion}]
+    else:
+        reply = _turn_list(completion, "'completion'", schema)
+    # TRL trains the completion only: the prompt's own assistant turns are context.
+    context = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in context]
+    return context + reply, ()
+
+
+def _read_qa(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
+    answers = _answers(row.get(schema.answer))
+    if not answers:
+        raise RenderError(REASON_NO_ANSWER, f"{schema.answer!r} holds no answer ({row.get(schema.answer)!r:.60})")
+    question = as_text(row.get(schema.question))
+    question = "" if question is None else question
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answers[0]}], answers
+
+
+def _answers(value: Any) -> tuple[str, ...]:
+    """Reference answers: a string, or a list of strings / numbers / ``{"answer": ...}`` objects (VQAv2's)."""
+    values = value if isinstance(value, list | tuple) else [value]
+    out = []
+    for v in values:
+        v = v.get("answer") if isinstance(v, Mapping) else v
+        v = as_text(v)
+        if isinstance(v, str) and v.strip():
+            out.append(v)
+    return tuple(out)
+
+
+_READERS = {
+    "messages": _read_turns,
+    "sharegpt": _read_turns,
+    "pairs": _read_pairs,
+    "prompt_completion": _read_prompt_completion,
+    "qa": _read_qa,
+}
+
+
+def _with_system(row: Mapping, schema: Schema, messages: list[dict]) -> list[dict]:
+    """A system column's prompt in front, when the row has one and its turns hold none."""
+    system = as_text(row.get(schema.system)) if schema.system else None
+    if not isinstance(system, str) or not system.strip():
+        return messages
+    if any(m.get("role") == "system" for m in messages):
+        raise RenderError("two_system_prompts", f"a {schema.system!r} column and a system turn; keep one")
+    return [{"role": "system", "content": system}, *messages]
+
+
+def _tools(value: Any) -> list[dict] | None:
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise RenderError("bad_tools", f"'tools' is not valid JSON: {value!r:.80}") from e
+    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
+        raise RenderError("bad_tools", f"'tools' must be a list of tool schemas, got {type(value).__name__}")
+    return [dict(t) for t in value]
+
+
+# ------------------------------------------------------------------------------------------------ images
+
+
+@dataclass
+class _Placeholder:
+    """An image slot found in a turn: where it is, and the image index it names (None: the next in order)."""
+
+    message: int
+    block: int
+    index: int | None
+
+
+def place_images(messages: list[dict], images: list, roots: ImageRoots) -> list[dict]:
+    """The messages with every placeholder (``<image>`` marker, bare image block) filled from ``images``, or the
+    images in front of the first user turn when there is none (the module docstring's rule); inline image sources
+    resolved through ``roots``. A mismatch raises ``RenderError`` with its own reason."""
+    messages, slots = _find_placeholders(messages, roots)
+    if not slots:
+        return _front_load(messages, images) if images else messages
+    for slot in slots:
+        if slot.index is not None and not 0 <= slot.index < len(images):
+            raise RenderError(
+                REASON_BAD_IMAGE_INDEX, f"an image block names index {slot.index}; the row has {len(images)} images"
+            )
+    if len(slots) > len(images):
+        raise RenderError(
+            REASON_MORE_PLACEHOLDERS, f"{len(slots)} {IMAGE_MARKER} markers / image blocks but {len(images)} images"
+        )
+    if len(slots) < len(images):
+        raise RenderError(
+            REASON_UNPLACED_IMAGES,
+            f"{len(slots)} {IMAGE_MARKER} markers / image blocks for {len(images)} images: mark every image or none",
+        )
+    following = iter(range(len(images)))
+    for slot in slots:
+        image = images[slot.index if slot.index is not None else next(following)]
+        messages[slot.message]["content"][slot.block] = {"type": "image", "image": image}
+    return messages
+
+
+def _find_placeholders(messages: list[dict], roots: ImageRoots) -> tuple[list[dict], list[_Placeholder]]:
+    """Markers split out of the text into placeholder blocks; inline image sources resolved."""
+    out: list[dict] = []
+    slots: list[_Placeholder] = []
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, str):
+            if IMAGE_MARKER not in content:
+                out.append(m)
+                continue
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list):
+            out.append(m)  # the renderer names what is wrong with it
+            continue
+        blocks: list = []
+        for block in content:
+            for piece in _split_markers(block):
+                if _is_placeholder(piece):
+                    index = piece.get("index")
+                    slots.append(_Placeholder(i, len(blocks), index if isinstance(index, int) else None))
+                    blocks.append(piece)
+                else:
+                    blocks.append(roots.resolve_block(piece))
+        out.append({**m, "content": blocks})
+    return out, slots
+
+
+def _split_markers(block: Any) -> list:
+    """A text block holding ``<image>`` markers as text / bare image blocks; anything else unchanged."""
+    if not (isinstance(block, Mapping) and block.get("type", "text") == "text" and isinstance(block.get("text"), str)):
+        return [block]
+    text = block["text"]
+    if IMAGE_MARKER not in text:
+        return [block]
+    pieces: list = []
+    for k, part in enumerate(_MARKER_RE.split(text)):
+        if k:
+            pieces.append({"type": "image"})
+        if part:
+            pieces.append({"type": "text", "text": part})
+    return pieces
+
+
+def _is_placeholder(block: Any) -> bool:
+    return (
+        isinstance(block, Mapping)
+        and block.get("type") == "image"
+        and not any(block.get(k) is not None for k in ("image", "url", "path", "base64", "image_url"))
+    )
+
+
+def _front_load(messages: list[dict], images: list) -> list[dict]:
+    """The images in front of the first user turn's text."""
+    for i, m in enumerate(messages):
+        if m.get("role") == "user":
+            content = m.get("content")
+            text = string_content_to_blocks(content if content is not None else "")
+            messages[i] = {**m, "content": [*({"type": "image", "image": img} for img in images), *text]}
+            return messages
+    raise RenderError(REASON_NO_USER_TURN, f"{len(images)} images but no user turn to put them in")
