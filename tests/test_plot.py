@@ -89,4 +89,4 @@ def test_cli_writes_the_png_and_explains_a_missing_run(tmp_path):
     helped = subprocess.run([*cli, "--help"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert helped.returncode == 0 and "--out" in helped.stdout and "run.png" in helped.stdout
     missing = subprocess.run([*cli, str(tmp_path / "nope")], cwd=REPO_ROOT, capture_output=True, text=True)
-    assert missing.returncode == 1 and "metrics.jsonl does not exist" in missing.stderr
+    assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr

@@ -18,9 +18,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from vlm_sft.config import cli_parser, parse_cli
+from vlm_sft.config import cli_parser, exits_cleanly, parse_cli
 
 
+@exits_cleanly
 def main(argv: list[str] | None = None) -> int:
     parser = cli_parser(
         "python -m vlm_sft.check_packing",

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import json
 import re
 import sys
 import textwrap
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, get_args
 
@@ -72,6 +74,7 @@ __all__ = [
     "cli_parser",
     "config_from_cli",
     "config_help",
+    "exits_cleanly",
     "load_config",
     "parse_cli",
     "parse_overrides",
@@ -196,6 +199,27 @@ def config_from_cli(argv: list[str]) -> RunConfig | None:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return None
+
+
+USAGE_EXIT_CODE = 2
+"""Exit code of an entry point stopped by a config or data error (argparse's own for bad arguments)."""
+
+
+def exits_cleanly(main: Callable[..., int]) -> Callable[..., int]:
+    """Decorates an entry point's ``main``: a ``ConfigError`` (settings, a source that cannot be read, an unknown
+    subset or column) or a missing file ends it with one line on stderr and ``USAGE_EXIT_CODE``, never a traceback."""
+
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> int:
+        try:
+            return main(*args, **kwargs)
+        except ConfigError as err:
+            print(f"config error: {err}", file=sys.stderr)
+        except FileNotFoundError as err:
+            print(f"error: {err}", file=sys.stderr)
+        return USAGE_EXIT_CODE
+
+    return run
 
 
 def cli_parser(prog: str, description: str) -> argparse.ArgumentParser:

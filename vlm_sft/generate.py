@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from vlm_sft.config import exits_cleanly
+
 logger = logging.getLogger(__name__)
 
 
@@ -133,12 +135,15 @@ def _conversations(args: argparse.Namespace) -> list[tuple[list[dict], Any, str 
     return out
 
 
+@exits_cleanly
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if (args.data is None) == (args.prompt is None):
         print("give --data FILE, or --prompt TEXT (with --image files)", file=sys.stderr)
         return 2
+    if not Path(args.path).exists() and args.path.count("/") != 1:  # org/name: a hub checkpoint
+        raise FileNotFoundError(f"no checkpoint folder {args.path} (a run's final/ or step-N/hf, or an adapter folder)")
     from vlm_sft.trainer.generation import is_correct, reply_text
 
     auto = "cuda" if torch.cuda.is_available() else "cpu"

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         path = plot_run(args.output_dir, args.out)
     except FileNotFoundError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2
     print(path)
     return 0
 

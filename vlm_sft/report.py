@@ -1,10 +1,13 @@
-"""Data report: ``python -m vlm_sft.report --config X [--section.field value ...] [--out report.json]``.
+"""Data report: ``python -m vlm_sft.report --config X [--section.field value ...] [--out report.json] [--show N]``.
 
 Runs load, render, truncate and pack over one whole pass of the configured dataset without a model, prints a
-summary and writes JSON: samples seen / packed, skips by reason with example row indices, packs, real, trainable and
-padding tokens, packing efficiency, images and patches per pack; every skip reason is listed with example rows and
-the error's detail (which file, which line, what went wrong). Every sample is accounted for: seen == packed +
-skipped, or the report fails. Run it before spending GPU hours.
+summary and writes JSON: the schema each source was read as, samples seen / packed, skips by reason with example row
+indices, packs, real, trainable and padding tokens, packing efficiency, images and patches per pack; every skip
+reason is listed with example rows and the error's detail (which file, which line, what went wrong). Every sample is
+accounted for: seen == packed + skipped, or the report fails. Run it before spending GPU hours.
+
+``--show N`` prints instead the first N rows of each training source as the trainer will see them: the rendered
+text, image placeholders collapsed, the trained spans marked (``vlm_sft.data.show``).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from vlm_sft.config import RunConfig, cli_parser, parse_cli
+from vlm_sft.config import RunConfig, cli_parser, exits_cleanly, parse_cli
 from vlm_sft.data.accounting import format_skips, format_sources
 from vlm_sft.data.pipeline import summarize_pass
 
@@ -37,12 +40,35 @@ def build_report(cfg: RunConfig, *, packing: str | None = None, progress: bool =
     d = cfg.data
     label = "mixture of " + ", ".join(e.label for e in d.sources) if d.sources else d.source
     weights = {"weights": {e.label: e.weight for e in d.sources}} if d.sources else {}
-    return {"source": label, "packing": packing or d.packing, "seq_len": d.seq_len, **weights, **summary}
+    schemas = data_build.source_schemas(sources)
+    return {
+        "source": label,
+        "packing": packing or d.packing,
+        "seq_len": d.seq_len,
+        "schemas": schemas,
+        **weights,
+        **summary,
+    }
+
+
+def show_samples(cfg: RunConfig, count: int) -> str:
+    """The first ``count`` rows of every training source as the trainer will see them (``vlm_sft.data.show``)."""
+    from vlm_sft.data import build as data_build
+    from vlm_sft.data.show import show_source
+
+    renderer = data_build.build_renderer(cfg, data_build.build_processor(cfg))
+    sources = data_build.load_sources(cfg)
+    train = sources.train
+    parts = (
+        [(p.name, p.source) for p in train.parts] if isinstance(train, data_build.MixedSources) else [("train", train)]
+    )
+    return "\n".join(show_source(name, source, renderer, count) for name, source in parts)
 
 
 def format_report(report: dict) -> str:
     lines = [
         f"data report: {report['source']} ({report['packing']} packing, pack_len {report['pack_len']})",
+        *(f"  schema of {name!r}: {schema}" for name, schema in report.get("schemas", {}).items()),
         f"  samples seen      {report['samples_seen']:>10}",
         f"  samples packed    {report['samples_packed']:>10}",
         f"  samples skipped   {sum(v['count'] for v in report['skipped'].values()):>10}",
@@ -61,13 +87,25 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+@exits_cleanly
 def main(argv: list[str] | None = None) -> int:
     parser = cli_parser("python -m vlm_sft.report", __doc__.split("\n\n")[1].replace("``", ""))
     parser.add_argument("--out", default=None, help="JSON path (default: <train.output_dir>/data_report.json)")
+    parser.add_argument(
+        "--show",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print the first N rows of each training source as the trainer sees them (text, <|image_pad|> runs "
+        "collapsed, [TRAIN]...[/TRAIN] around the trained tokens, the schema read) and exit, without the full pass",
+    )
     known, cfg = parse_cli(parser, sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING)
     if cfg is None:
         return 2
+    if known.show is not None:
+        print(show_samples(cfg, known.show))
+        return 0
     report = build_report(cfg)
     print(format_report(report))
     out = Path(known.out) if known.out else Path(cfg.train.output_dir) / "data_report.json"

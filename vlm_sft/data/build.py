@@ -287,10 +287,10 @@ def _open(
             source = StreamedSource.open(path, **settings)
         else:
             source = load_conversations(path, **settings)
-    except ConfigError:
-        raise
     except (SchemaError, SnapshotError) as err:  # our own messages name what exists and the fix
         raise ConfigError(f"{what}: {err}") from err
+    except ConfigError:
+        raise
     except Exception as err:  # a missing file, an unknown hub id, an unreadable format: name the source
         raise ConfigError(f"{what} cannot be read: {type(err).__name__}: {err}") from err
     if not isinstance(source, StreamedSource) and not len(source):

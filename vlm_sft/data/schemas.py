@@ -38,6 +38,7 @@ from typing import Any
 
 from renderers.content import string_content_to_blocks
 from renderers.errors import RenderError
+from vlm_sft.config_base import ConfigError
 from vlm_sft.data.image_roots import ImageRoots
 
 IMAGE_MARKER = "<image>"
@@ -87,7 +88,7 @@ _TURN_KEYS = ("role", "from", "content", "value")
 _MARKER_RE = re.compile(re.escape(IMAGE_MARKER))
 
 
-class SchemaError(ValueError):
+class SchemaError(ConfigError):
     """A source whose columns fit no schema, or a mapping that names a column the source does not have."""
 
 

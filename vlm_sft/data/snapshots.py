@@ -1,8 +1,8 @@
 """Which files a local source names: one file, a folder of shards, or a local snapshot of a hub dataset repo with its
 subsets, for prepared and streamed sources alike.
 
-Compute nodes of a cluster often have no internet, so users download a hub dataset once (``huggingface-cli download
-ORG/NAME --repo-type dataset --local-dir data/NAME``) and point the trainer at the folder. Such a folder is read the
+Compute nodes of a cluster often have no internet, so users download a hub dataset once (``hf download ORG/NAME
+--repo-type dataset --local-dir data/NAME``) and point the trainer at the folder. Such a folder is read the
 way ``datasets.load_dataset`` reads the hub repo:
 
 - a ``README.md`` whose YAML lists ``configs:`` (each a subset with its ``data_files`` per split): ``subset`` names
@@ -30,6 +30,8 @@ from datasets.utils.metadata import MetadataConfigs
 from huggingface_hub import DatasetCardData
 from huggingface_hub.repocard import metadata_load
 
+from vlm_sft.config_base import ConfigError
+
 logger = logging.getLogger(__name__)
 
 DataKind = Literal["parquet", "json"]
@@ -42,7 +44,7 @@ CARD = "README.md"
 """The dataset card, whose YAML front matter may list the repo's ``configs:`` (subsets)."""
 
 
-class SnapshotError(ValueError):
+class SnapshotError(ConfigError):
     """A local source whose files cannot be picked: an unknown or missing subset, a missing split, no data files."""
 
 
