@@ -124,6 +124,18 @@ COMMANDS: dict[str, Run | Covered] = {
         "tests/test_preemption.py kills one worker of this recipe (tiny) after a checkpoint and checks the restart",
         ("tests/test_preemption.py", "def test_torchrun_restart_resumes_from_the_latest_checkpoint"),
     ),
+    (
+        'hf download HuggingFaceM4/the_cauldron --repo-type dataset --include "README.md" --include "ai2d/*" '
+        "--local-dir data/the_cauldron"
+    ): Covered(
+        "needs the hub (no network here); tests/test_snapshots.py writes the layout it leaves (README.md configs, one "
+        "subfolder of parquet shards per subset, the_cauldron's features) and reads each subset",
+        ("tests/test_snapshots.py", "def test_each_subset_of_a_readme_snapshot_loads_alone_by_name"),
+    ),
+    "python -m vlm_sft.report --data.source data/the_cauldron --data.subset ai2d --show 2": Covered(
+        "tests/test_snapshots.py runs the README's line, as written, in a folder holding such a snapshot",
+        ("tests/test_snapshots.py", "def test_the_readme_show_command_runs_on_the_snapshot"),
+    ),
     "python -m vlm_sft.data.mixture_example": Covered(
         "tests/test_mixture_example.py runs the CLI's main (into a temporary folder) and loads what it writes",
         ("tests/test_mixture_example.py", "assert main(argv) == 0"),

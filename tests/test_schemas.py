@@ -359,42 +359,41 @@ def test_messages_with_indexed_image_blocks(renderer, folder, tmp_path):
 # -------------------------------------------------------------------------------------------- the mapping
 
 
-def test_a_made_up_schema_mapped_by_the_config_renders_as_its_canonical_form(renderer, folder, tmp_path):
+def test_the_readme_mapping_example_renders_its_made_up_schema_as_the_canonical_form(renderer, folder, tmp_path):
+    """The README's ``[data]`` mapping block, read as the config loader reads it, over rows of the schema its comment
+    shows."""
+    import re
+    import tomllib
+
+    from vlm_sft.config import REPO_ROOT, DataConfig
+
+    blocks = re.findall(r"^```toml\n(.*?)^```", (REPO_ROOT / "README.md").read_text(), re.M | re.S)
+    settings = DataConfig(**tomllib.loads(next(b for b in blocks if "conversation_column" in b))["data"])
     rows = [
         {
             "dialog": [
                 {"speaker": "customer", "utterance": "<image> What is broken?"},
                 {"speaker": "agent", "utterance": "The red part."},
             ],
-            "pics": ["img/red.png"],
-            "persona": "You repair things.",
+            "screenshots": ["img/red.png"],
+            "persona": "You repair phones.",
         }
     ]
-    data = tmp_path / "support.jsonl"
+    data = tmp_path / settings.source
+    data.parent.mkdir(parents=True)
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "img").mkdir()
-    (tmp_path / "img" / "red.png").write_bytes((folder / "img" / "red.png").read_bytes())
-    mapping = RowMapping.from_settings(
-        {
-            "format": "sharegpt",
-            "conversation_column": "dialog",
-            "images_column": "pics",
-            "system_column": "persona",
-            "role_key": "speaker",
-            "content_key": "utterance",
-            "roles": {"customer": "user", "agent": "assistant"},
-        }
-    )
+    (data.parent / "img").mkdir()
+    (data.parent / "img" / "red.png").write_bytes((folder / "img" / "red.png").read_bytes())
     canonical = [
         [
-            {"role": "system", "content": "You repair things."},
+            {"role": "system", "content": "You repair phones."},
             {"role": "user", "content": [img("red"), text(" What is broken?")]},
             {"role": "assistant", "content": "The red part."},
         ]
     ]
     source = assert_same_samples(
-        renderer, data, write_canonical(tmp_path, "support_c", canonical), fmt="sharegpt", cache=tmp_path,
-        mapping=mapping,
+        renderer, data, write_canonical(data.parent, "support_c", canonical), fmt="sharegpt", cache=tmp_path,
+        mapping=RowMapping.from_settings(settings.model_dump()),
     )  # fmt: skip
     assert "format = 'sharegpt'" in source.schema.reason
     with pytest.raises(SchemaError, match="no schema fits"):  # unmapped, the same file fits no schema
@@ -495,3 +494,27 @@ def test_weight_must_be_0_or_1(renderer):
     with pytest.raises(RenderError) as info:
         renderer.render(bad)
     assert info.value.reason == "bad_weight"
+
+
+def test_the_mapping_settings_are_checked_at_load_and_a_missing_column_stops_the_start(folder, tmp_path, caplog):
+    from vlm_sft.config import ConfigError, load_config
+    from vlm_sft.data.build import load_sources
+
+    with pytest.raises(ConfigError, match="must map to one of system, user, assistant, tool"):
+        load_config(None, ["--data.roles.customer", "customer"])
+    mixture = ["--data.sources", '[{source = "a.jsonl"}]', "--data.format", "qa"]
+    with pytest.raises(ConfigError, match=r"data\.format is set beside"):
+        load_config(None, mixture)
+    data = folder / "pairs.jsonl"
+    data.write_text(json.dumps({"texts": [{"user": "q", "assistant": "a"}], "images": []}) + "\n")
+    base = ["--data.source", str(data), "--train.output_dir", str(tmp_path)]
+    with caplog.at_level("INFO", logger="vlm_sft.data.build"):
+        load_sources(load_config(None, base))
+    assert (
+        f"data.source ({data}) read as pairs (column 'texts' holds the [{{user, assistant}}] pairs); file"
+        in caplog.text
+    )
+    with pytest.raises(ConfigError) as info:
+        load_sources(load_config(None, [*base, "--data.images_column", "pictures"]))
+    assert str(info.value).startswith(f"data.source ({data}): ")
+    assert "images_column = 'pictures' is not a column of this source (its columns: images, texts)" in str(info.value)
