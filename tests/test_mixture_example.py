@@ -83,7 +83,7 @@ def test_six_files_load_with_their_rows_and_tasks(written, config, tmp_path):
             path = w.files[split]
             assert path == out / w.name / f"{split}{suffixes[w.name]}" and w.rows[split] == rows
             source = _load(path, tables[w.name, split], config, tmp_path / "cache")
-            assert (len(source), source.shape) == (rows, expected[w.name][2]), path
+            assert (len(source), source.schema.format) == (rows, expected[w.name][2]), path
             assert set(source.column("task")) <= set(spec.tasks), path
             assert all(isinstance(a, str) and a for a in source.column("answer")), path
             assert all(i.startswith(f"{split}-") for i in source.column("id")), path

@@ -40,7 +40,7 @@ import datasets
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
-from vlm_sft.data.schemas import IMAGE_MARKER
+from vlm_sft.data.placeholders import IMAGE_MARKER
 from vlm_sft.data.shapes import ShapesSample, make_sample
 
 logger = logging.getLogger(__name__)
