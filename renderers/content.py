@@ -145,6 +145,21 @@ def normalize_content(content: Any) -> str | tuple[Block, ...]:
     return tuple(normalize_block(b) for b in content)
 
 
+def normalize_tools(tools: Any) -> list[dict] | None:
+    """Tool schemas offered to a conversation: a list of objects, or that list as a JSON string (as Arrow stores
+    it); None for none (None, "", [])."""
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise RenderError("bad_tools", f"'tools' is not valid JSON: {tools!r:.80}") from e
+    if not isinstance(tools, list | tuple) or not all(isinstance(t, Mapping) for t in tools):
+        raise RenderError("bad_tools", f"'tools' must be a list of tool schemas, got {type(tools).__name__}")
+    return [dict(t) for t in tools] or None
+
+
 def normalize_tool_call(call: Any) -> dict:
     """A tool call in OpenAI shape with its arguments as a dict (a JSON-string argument object is parsed)."""
     if not isinstance(call, Mapping):

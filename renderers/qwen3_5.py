@@ -45,7 +45,6 @@ Where parity with ``apply_chat_template`` is not defined, on purpose:
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
@@ -64,6 +63,7 @@ from renderers.content import (
     map_strings,
     merge_text_runs,
     normalize_messages,
+    normalize_tools,
     text_runs,
     to_template_message,
 )
@@ -94,19 +94,6 @@ def _resolve_template(processor: Any, chat_template: str | None) -> str:
     if not isinstance(template, str) or not template:
         raise ValueError("the processor has no chat template; pass chat_template= or load a checkpoint that has one")
     return template
-
-
-def _normalize_tools(tools: Any) -> list[dict] | None:
-    if tools is None:
-        return None
-    if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError as e:
-            raise RenderError("bad_tools", f"tools is not valid JSON: {tools!r:.80}") from e
-    if not isinstance(tools, list | tuple) or not all(isinstance(t, Mapping) for t in tools):
-        raise RenderError("bad_tools", f"tools must be a list of tool schemas, got {type(tools).__name__}")
-    return [dict(t) for t in tools] or None
 
 
 class Qwen3_5Renderer:
@@ -220,7 +207,7 @@ class Qwen3_5Renderer:
         """Normalized messages (``prompt``: a conversation awaiting its reply, which needs no assistant turn)."""
         normalized = normalize_messages(messages, require_assistant=not prompt)
         conversation = tuple(self._join_split_specials(m) for m in normalized)
-        tools_ = _normalize_tools(tools)
+        tools_ = normalize_tools(tools)
         texts = iter_text(conversation, tools_)
         for s in texts:
             if _SURROGATE_RE.search(s):  # JSON may escape half a UTF-16 pair ("\ud800"); tokenizers refuse it

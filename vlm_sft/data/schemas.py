@@ -32,6 +32,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from renderers.content import normalize_tools
 from renderers.errors import RenderError
 from vlm_sft.config_base import ConfigError
 from vlm_sft.data.image_roots import ImageRoots
@@ -263,7 +264,7 @@ class RowConverter:
             messages, references = _READERS[schema.format](row, schema)
             messages = _with_system(row, schema, messages)
             messages = place_images(messages, self._column_images(row, schema), self.images)
-            tools = _tools(row.get("tools"))
+            tools = normalize_tools(row.get("tools"))
         except RenderError as e:
             raise e.with_index(index) from e
         return Conversation(messages=messages, tools=tools, index=index, references=references)
@@ -396,16 +397,3 @@ def _with_system(row: Mapping, schema: Schema, messages: list[dict]) -> list[dic
     if any(m.get("role") == "system" for m in messages):
         raise RenderError("two_system_prompts", f"a {schema.system!r} column and a system turn; keep one")
     return [{"role": "system", "content": system}, *messages]
-
-
-def _tools(value: Any) -> list[dict] | None:
-    if value is None or value == "" or value == []:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise RenderError("bad_tools", f"'tools' is not valid JSON: {value!r:.80}") from e
-    if not isinstance(value, list) or not all(isinstance(t, Mapping) for t in value):
-        raise RenderError("bad_tools", f"'tools' must be a list of tool schemas, got {type(value).__name__}")
-    return [dict(t) for t in value]
