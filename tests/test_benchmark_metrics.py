@@ -11,6 +11,7 @@ import math
 
 import pytest
 
+from vlm_sft.data.options import format_options
 from vlm_sft.trainer.benchmark_metrics import (
     INSTRUCTIONS,
     METRICS,
@@ -18,7 +19,6 @@ from vlm_sft.trainer.benchmark_metrics import (
     anls,
     bootstrap_interval,
     exact_match,
-    format_options,
     multiple_choice,
     normalize_vqa,
     relaxed_accuracy,

@@ -518,3 +518,85 @@ def test_the_mapping_settings_are_checked_at_load_and_a_missing_column_stops_the
         load_sources(load_config(None, [*base, "--data.images_column", "pictures"]))
     assert str(info.value).startswith(f"data.source ({data}): ")
     assert "images_column = 'pictures' is not a column of this source (its columns: images, texts)" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------- multiple choice
+
+
+def mc_canonical(question: str, options: list[str], letter: str, image: str) -> list[dict]:
+    lines = "\n".join(f"{'ABCDE'[i]}. {o}" for i, o in enumerate(options))
+    return [
+        {"role": "user", "content": [img(image), text(f"{question}\n{lines}")]},
+        {"role": "assistant", "content": letter},
+    ]
+
+
+MC_OPTIONS = ["a circle", "a square", "a triangle"]
+
+
+@pytest.mark.parametrize(
+    ("name", "features", "row"),
+    [
+        (  # lmms-lab/ai2d: options list, the answer's index as text
+            "ai2d",
+            {"question": datasets.Value("string"), "options": datasets.List(datasets.Value("string")),
+             "answer": datasets.Value("string"), "image": datasets.Image()},
+            {"question": "Which shape?", "options": MC_OPTIONS, "answer": "1"},
+        ),
+        (  # ScienceQA: choices list, the answer's index as an int
+            "scienceqa",
+            {"image": datasets.Image(), "question": datasets.Value("string"),
+             "choices": datasets.List(datasets.Value("string")), "answer": datasets.Value("int64")},
+            {"question": "Which shape?", "choices": MC_OPTIONS, "answer": 1},
+        ),
+        (  # MMMU: options as a Python list's text, the answer as a letter
+            "mmmu",
+            {"question": datasets.Value("string"), "options": datasets.Value("string"),
+             "answer": datasets.Value("string"), "image": datasets.Image()},
+            {"question": "Which shape?", "options": str(MC_OPTIONS), "answer": "B"},
+        ),
+        (  # MMBench: one column per letter (null past the last), the answer as a letter
+            "mmbench",
+            {"question": datasets.Value("string"), "A": datasets.Value("string"), "B": datasets.Value("string"),
+             "C": datasets.Value("string"), "D": datasets.Value("string"), "answer": datasets.Value("string"),
+             "image": datasets.Image()},
+            {"question": "Which shape?", "A": MC_OPTIONS[0], "B": MC_OPTIONS[1], "C": MC_OPTIONS[2], "D": None,
+             "answer": "B"},
+        ),
+    ],
+)  # fmt: skip
+def test_multiple_choice_benchmarks_ask_with_lettered_options_and_answer_the_letter(
+    renderer, folder, tmp_path, name, features, row
+):
+    columns = {k: [v] for k, v in {**row, "image": png(folder, "red")}.items()}
+    hub = write_parquet(folder, name, columns, datasets.Features(features))
+    canonical = write_canonical(folder, f"{name}_c", [mc_canonical("Which shape?", MC_OPTIONS, "B", "red")])
+    source = assert_same_samples(renderer, hub, canonical, fmt="qa", cache=tmp_path)
+    assert source[0].references == ("B",) and source[0].options == tuple(MC_OPTIONS)
+
+
+def test_an_instruction_suffix_goes_after_the_last_question(renderer, folder, tmp_path):
+    features = datasets.Features(
+        {"image": datasets.Image(), "query": datasets.Value("string"), "label": datasets.List(datasets.Value("string"))}
+    )
+    hub = write_parquet(
+        folder, "chartqa_instr", {"image": [png(folder, "red")], "query": ["Peak?"], "label": [["12"]]}, features
+    )
+    suffix = "Answer the question using a single word or phrase."
+    canonical = [
+        [{"role": "user", "content": [img("red"), text(f"Peak?\n{suffix}")]}, {"role": "assistant", "content": "12"}]
+    ]
+    assert_same_samples(
+        renderer, hub, write_canonical(folder, "chartqa_instr_c", canonical), fmt="qa", cache=tmp_path,
+        mapping=RowMapping(instruction=suffix),
+    )  # fmt: skip
+
+
+def test_an_answer_that_names_no_option_is_a_counted_skip(folder):
+    from vlm_sft.data.image_roots import ImageRoots
+    from vlm_sft.data.schemas import RowConverter
+
+    for answer in ("7", "E", None):
+        with pytest.raises(RenderError) as info:
+            RowConverter(None, ImageRoots(folder))({"question": "q", "options": MC_OPTIONS, "answer": answer}, 3)
+        assert info.value.reason == "bad_options" and info.value.sample_index == 3

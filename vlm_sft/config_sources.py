@@ -42,6 +42,10 @@ class RowFormat(Section):
     answer_column: str | None = None
     """``qa``: column holding the answer (a string, or a list whose first entry trains and whose others are kept as
     references for scoring); None: the first of ``answer``, ``answers``, ``label``, ``response``."""
+    options_column: str | None = None
+    """``qa``: column holding a multiple-choice row's options (a list, or a list's text); None: ``options`` or
+    ``choices``, else one column per letter (``A``, ``B``, ...) where the rows have them. The question is asked with
+    the lettered choices and the option's letter is the answer (the ``answer`` column holds a letter or an index)."""
     role_key: str | None = None
     """Key of a turn's role; None: ``role``, else ``from`` (whichever a turn has set)."""
     content_key: str | None = None
@@ -49,6 +53,10 @@ class RowFormat(Section):
     roles: dict[str, str] = {}
     """Role names of the data and the chat role each means (``{customer = "user", agent = "assistant"}``), on top
     of the known ones (human / user, gpt / assistant / bot / model, system, tool / observation)."""
+    instruction: str | None = None
+    """Text appended, on a line of its own, to the last user turn of every row: a benchmark's answer format, e.g.
+    "Answer the question using a single word or phrase." (DocVQA, ChartQA, TextVQA, VQAv2 in lmms-eval) or "Answer
+    with the option's letter from the given choices directly." (AI2D, ScienceQA, MMMU). None: the rows as written."""
 
     @field_validator("roles")
     @classmethod

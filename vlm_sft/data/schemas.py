@@ -12,7 +12,8 @@ Schemas (``format``), as the public datasets store them:
 - ``prompt_completion``: ``prompt`` (messages before the reply, or a string) + ``completion`` (the reply's messages,
   or a string), as TRL trains it: only the completion's turns train.
 - ``qa``: one question and one answer, or a list of reference answers (VQA-style data): the first trains, all are
-  kept on the conversation (``references``) for scoring.
+  kept on the conversation (``references``) for scoring; with options (``options`` / ``choices`` or one column per
+  letter, ``vlm_sft.data.options``) the question is asked with lettered choices and the letter is the answer.
 
 Turns are read one way in every schema: the role under ``role`` or ``from``, the text or blocks under ``content`` or
 ``value``, whichever is set (Arrow's merged structs, e.g. LLaVA-OneVision-1.5's ``{content, from, role, value}``, hold
@@ -30,12 +31,20 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from renderers.content import normalize_tools
 from renderers.errors import RenderError
 from vlm_sft.config_base import ConfigError
 from vlm_sft.data.image_roots import ImageRoots
+from vlm_sft.data.options import (
+    LETTER_COLUMNS,
+    OPTION_COLUMNS,
+    answer_letter,
+    format_options,
+    letter_columns,
+    read_options,
+)
 from vlm_sft.data.placeholders import place_images
 
 ROLE_NAMES: dict[str, str] = {
@@ -88,10 +97,13 @@ class RowMapping:
     system_column: str | None = None
     question_column: str | None = None
     answer_column: str | None = None
+    options_column: str | None = None
     role_key: str | None = None
     content_key: str | None = None
     roles: tuple[tuple[str, str], ...] = ()
     """The data's own role names and the chat role each means."""
+    instruction: str | None = None
+    """Appended, on a line of its own, to the last user turn of every row (a benchmark's answer-format suffix)."""
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any]) -> RowMapping:
@@ -119,6 +131,8 @@ class Schema:
     """``prompt_completion``: the completion's column."""
     question: str | None = None
     answer: str | None = None
+    options: str | None = None
+    """``qa``: the options' column (``options.LETTER_COLUMNS``: one column per letter), None for open questions."""
     images: tuple[str, ...] = IMAGE_COLUMNS
     """Columns looked in for the row's images, in order (the first that is set)."""
     system: str | None = "system"
@@ -126,6 +140,8 @@ class Schema:
     role_key: str | None = None
     content_key: str | None = None
     roles: dict[str, str] = field(default_factory=dict)
+    instruction: str | None = None
+    """Appended to the last user turn of every row."""
 
     def describe(self) -> str:
         """``pairs (column 'texts' ...)``: what the start log and the data report print."""
@@ -138,7 +154,7 @@ def detect_schema(columns: Collection[str], mapping: RowMapping = AUTO, *, name:
     the source and the columns it has."""
     columns = set(columns)
     have = f"its columns: {', '.join(sorted(columns)) or 'none'}"
-    for setting in ("conversation_column", "images_column", "system_column", "question_column", "answer_column"):
+    for setting in _COLUMN_SETTINGS:
         column = getattr(mapping, setting)
         if column is not None and column not in columns:
             raise SchemaError(f"{name}: {setting} = {column!r} is not a column of this source ({have})")
@@ -148,6 +164,7 @@ def detect_schema(columns: Collection[str], mapping: RowMapping = AUTO, *, name:
         "role_key": mapping.role_key,
         "content_key": mapping.content_key,
         "roles": dict(mapping.roles),
+        "instruction": mapping.instruction,
     }
     formats = FORMATS if mapping.format == "auto" else (mapping.format,)
     for fmt in formats:
@@ -166,6 +183,11 @@ def detect_schema(columns: Collection[str], mapping: RowMapping = AUTO, *, name:
     )
 
 
+_COLUMN_SETTINGS = (
+    "conversation_column", "images_column", "system_column", "question_column", "answer_column", "options_column",
+)  # fmt: skip
+
+
 def _columns_of(fmt: str, columns: set[str], mapping: RowMapping) -> dict | None:
     """The columns schema ``fmt`` would read, with the reason, or None when the source lacks them."""
     if fmt in TURN_COLUMNS:
@@ -181,7 +203,16 @@ def _columns_of(fmt: str, columns: set[str], mapping: RowMapping) -> dict | None
     answer = mapping.answer_column or next((c for c in ANSWER_COLUMNS if c in columns), None)
     if question is None or answer is None:
         return None
-    return {"question": question, "answer": answer, "reason": f"columns {question!r} + {answer!r}"}
+    options = mapping.options_column or next((c for c in OPTION_COLUMNS if c in columns), None)
+    if options is None and letter_columns(columns):
+        options = LETTER_COLUMNS
+    shown = {None: "", LETTER_COLUMNS: " + option columns A, B, ..."}.get(options, f" + options {options!r}")
+    return {
+        "question": question,
+        "answer": answer,
+        "options": options,
+        "reason": f"columns {question!r} + {answer!r}{shown}",
+    }
 
 
 _WHAT = {
@@ -214,7 +245,10 @@ class Conversation:
     index: int
     """Row index in the source dataset, for error reports and accounting."""
     references: tuple[str, ...] = ()
-    """Reference answers of a ``qa`` row (the first is the one trained), for scoring; empty otherwise."""
+    """Reference answers of a ``qa`` row (the first is the one trained; the letter of a multiple-choice row), for
+    scoring; empty otherwise."""
+    options: tuple[str, ...] = ()
+    """The option texts of a multiple-choice row, in letter order; empty otherwise."""
 
 
 def as_text(value: Any) -> Any:
@@ -261,13 +295,13 @@ class RowConverter:
         """The conversation of ``row``; ``RenderError`` naming ``index`` when the row cannot be one."""
         try:
             schema = self.schema or _row_schema(row)
-            messages, references = _READERS[schema.format](row, schema)
-            messages = _with_system(row, schema, messages)
+            read = _READERS[schema.format](row, schema)
+            messages = _with_instruction(_with_system(row, schema, read.messages), schema.instruction)
             messages = place_images(messages, self._column_images(row, schema), self.images)
             tools = normalize_tools(row.get("tools"))
         except RenderError as e:
             raise e.with_index(index) from e
-        return Conversation(messages=messages, tools=tools, index=index, references=references)
+        return Conversation(messages, tools, index, references=read.references, options=read.options)
 
     def _column_images(self, row: Mapping, schema: Schema) -> list:
         for column in schema.images:
@@ -321,11 +355,19 @@ def _turn_list(value: Any, what: str, schema: Schema) -> list[dict]:
     return [_turn(t, schema) for t in value]
 
 
-def _read_turns(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
-    return _turn_list(row.get(schema.turns), repr(schema.turns), schema), ()
+class Reading(NamedTuple):
+    """What a schema's reader takes from a row."""
+
+    messages: list[dict]
+    references: tuple[str, ...] = ()
+    options: tuple[str, ...] = ()
 
 
-def _read_pairs(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
+def _read_turns(row: Mapping, schema: Schema) -> Reading:
+    return Reading(_turn_list(row.get(schema.turns), repr(schema.turns), schema))
+
+
+def _read_pairs(row: Mapping, schema: Schema) -> Reading:
     pairs = row.get(schema.turns)
     if not isinstance(pairs, list) or not all(isinstance(p, Mapping) for p in pairs):
         raise RenderError("bad_message", f"{schema.turns!r} is not a list of {{user, assistant}} objects")
@@ -335,7 +377,7 @@ def _read_pairs(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ..
         for role in ("user", "assistant"):
             text = by_role.get(role)
             messages.append({"role": role, "content": "" if text is None else as_text(text)})
-    return messages, ()
+    return Reading(messages)
 
 
 def _pair_role(key: str, schema: Schema) -> str | None:
@@ -344,7 +386,7 @@ def _pair_role(key: str, schema: Schema) -> str | None:
     return role if role in ("user", "assistant") else None
 
 
-def _read_prompt_completion(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
+def _read_prompt_completion(row: Mapping, schema: Schema) -> Reading:
     prompt, completion = row.get(schema.turns), row.get(schema.completion)
     if isinstance(prompt, str):
         context = [{"role": "user", "content": prompt}]
@@ -356,16 +398,23 @@ def _read_prompt_completion(row: Mapping, schema: Schema) -> tuple[list[dict], t
         reply = _turn_list(completion, "'completion'", schema)
     # TRL trains the completion only: the prompt's own assistant turns are context.
     context = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in context]
-    return context + reply, ()
+    return Reading(context + reply)
 
 
-def _read_qa(row: Mapping, schema: Schema) -> tuple[list[dict], tuple[str, ...]]:
+def _read_qa(row: Mapping, schema: Schema) -> Reading:
+    question = as_text(row.get(schema.question))
+    question = "" if question is None else question
+    if schema.options is not None:
+        options = read_options(row, schema.options)
+        letter = answer_letter(row.get(schema.answer), options)
+        question = format_options(question, options)
+        return Reading(
+            [{"role": "user", "content": question}, {"role": "assistant", "content": letter}], (letter,), options
+        )
     answers = _answers(row.get(schema.answer))
     if not answers:
         raise RenderError(REASON_NO_ANSWER, f"{schema.answer!r} holds no answer ({row.get(schema.answer)!r:.60})")
-    question = as_text(row.get(schema.question))
-    question = "" if question is None else question
-    return [{"role": "user", "content": question}, {"role": "assistant", "content": answers[0]}], answers
+    return Reading([{"role": "user", "content": question}, {"role": "assistant", "content": answers[0]}], answers)
 
 
 def _answers(value: Any) -> tuple[str, ...]:
@@ -387,6 +436,21 @@ _READERS = {
     "prompt_completion": _read_prompt_completion,
     "qa": _read_qa,
 }
+
+
+def _with_instruction(messages: list[dict], instruction: str | None) -> list[dict]:
+    """``instruction`` on a line of its own after the last user turn's text (lmms-eval's ``post_prompt``)."""
+    if not instruction:
+        return messages
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+    if last is None:
+        return messages
+    content = messages[last].get("content")
+    if isinstance(content, list):
+        content = [*content, {"type": "text", "text": f"\n{instruction}"}]
+    else:
+        content = f"{'' if content is None else content}\n{instruction}"
+    return [*messages[:last], {**messages[last], "content": content}, *messages[last + 1 :]]
 
 
 def _with_system(row: Mapping, schema: Schema, messages: list[dict]) -> list[dict]:

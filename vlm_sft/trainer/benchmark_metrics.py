@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 import re
-import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from vlm_sft.data.options import option_letters
 
 METRICS = ("exact_match", "anls", "relaxed_accuracy", "vqa_accuracy", "multiple_choice")
 """The metric names ``score_reply`` takes."""
@@ -72,7 +73,7 @@ def score_reply(
         raise ValueError(f"unknown metric {metric!r}: choose one of {', '.join(METRICS)}")
     _check_references(references)
     if metric == "multiple_choice":
-        _correct_letters(references, _option_letters(options))
+        _correct_letters(references, option_letters(options))
     elif options:
         raise ValueError(f"options are for the multiple_choice metric only, got {len(options)} with {metric!r}")
     if thinking:
@@ -269,24 +270,6 @@ _TEXT_METRICS: dict[str, Callable[[str, Sequence[str]], float]] = {
 # ------------------------------------------------------------------------------------------------ multiple choice
 
 
-def format_options(question: str, options: Sequence[str]) -> str:
-    """The question with its lettered choices, one per line: ``"question\\nA. opt1\\nB. opt2"``.
-
-    As lmms-eval renders AI2D (``tasks/ai2d/utils.py``, ``prompt_format: mcq``), ScienceQA (``tasks/scienceqa``)
-    and MMMU (``tasks/mmmu/utils.py`` ``parse_options``); the instruction suffix (``INSTRUCTIONS``) is the caller's
-    to append. MMBench differs: "There are several options:" before the choices.
-    """
-    letters = _option_letters(options)
-    return "\n".join([question, *(f"{letter}. {option}" for letter, option in zip(letters, options, strict=True))])
-
-
-def _option_letters(options: Sequence[str]) -> str:
-    """The letters of ``options``: "ABCD" for four."""
-    if isinstance(options, str) or not 1 <= len(options) <= 26:
-        raise ValueError(f"multiple_choice needs 1 to 26 option texts in a list (options=[...]), got {options!r}")
-    return string.ascii_uppercase[: len(options)]
-
-
 def _correct_letters(answer_letters: Sequence[str], letters: str) -> frozenset[str]:
     """The correct letters, upper-cased, each checked to be one of the options' (an index given for a letter, or a
     letter past the last option, is a data error)."""
@@ -359,7 +342,7 @@ def read_choice(reply: str, options: Sequence[str]) -> str | None:
     MMMU's ``parse_multi_choice_response`` and ScienceQA's "B. ..." reading accept; where they guess (MMMU: the last
     of several letters, or a random one when none) or ask a judge model (MMBench), this returns None.
     """
-    letters = _option_letters(options)
+    letters = option_letters(options)
     text = _EMPHASIS.sub("", _BOXED.sub(r"\1", reply)).strip()
     whole = _WHOLE_LETTER.fullmatch(text)
     if whole and whole[1].upper() in letters:
@@ -378,7 +361,7 @@ def read_choice(reply: str, options: Sequence[str]) -> str | None:
 def multiple_choice(reply: str, options: Sequence[str], answer_letters: Sequence[str]) -> Score:
     """Multiple-choice accuracy (AI2D, MMMU, MMBench, ScienceQA): 1.0 when the letter ``read_choice`` reads from the
     reply is one of ``answer_letters``; a reply with no readable letter, or several, scores 0 with ``parsed=False``."""
-    correct = _correct_letters(answer_letters, _option_letters(options))
+    correct = _correct_letters(answer_letters, option_letters(options))
     letter = read_choice(reply, options)
     if letter is None:
         return Score(0.0, False, "")
