@@ -42,6 +42,7 @@ from vlm_sft.checkpoint.state import (
 )
 from vlm_sft.config import REPO_ROOT, ConfigError
 from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.failure import mark_agreed
 
 ENV = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 SHARD = "__0_0.distcp"
@@ -406,3 +407,115 @@ def test_the_final_export_is_sealed_and_a_failed_one_keeps_the_earlier(tmp_path,
     with pytest.raises(CheckpointSaveError, match=rf"HF export {final} \(into {final}.tmp, now removed\): .*No space"):
         export.export_final(final, None, None, ENV, None)
     assert [p.name for p in tmp_path.iterdir()] == ["final"] and (final / integrity.MANIFEST).read_bytes() == before
+
+
+# ------------------------------------------------------------------------ saves that fail on one rank (issue 44)
+
+
+def test_a_save_interrupted_on_rank_0_alone_leaves_its_folder_to_the_peers_still_writing(two_saved, monkeypatch):
+    """Ctrl-C on rank 0 alone: the other ranks may still write into ``step-N.tmp``, so rank 0 must not delete it
+    (the next save does); an error every rank agreed on, or a one-process run, removes it at once."""
+    _, newest = two_saved
+    root = newest.parents[1]
+    tmp = newest.parent / "step-000003.tmp"
+    model, opt = _toy()
+    raised: list[BaseException] = [KeyboardInterrupt()]
+
+    def interrupted(tmp, *args):
+        tmp.mkdir(exist_ok=True)
+        (tmp / "__1_0.distcp").write_bytes(b"rank 1 is still writing this")
+        raise raised[0]
+
+    monkeypatch.setattr(state, "_write_checkpoint", interrupted)
+    st = TrainerState(step=3, scheduler={}, data={}, rng=capture_rng(), extra={})
+    two = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(root, model=model, optimizer=opt, state=st, env=two, keep_last=3)
+    assert (tmp / "__1_0.distcp").is_file()
+    raised[0] = OSError(errno.EIO, "rank 0's own disk error, between two collectives")
+    with pytest.raises(CheckpointSaveError, match=r"Left step-000003\.tmp \(the next save removes it\)"):
+        save_checkpoint(root, model=model, optimizer=opt, state=st, env=two, keep_last=3)
+    assert tmp.is_dir()
+    raised[0] = OSError(errno.ENOSPC, "full")
+    mark_agreed(raised[0])  # out of an agreement: every rank stopped there
+    with pytest.raises(CheckpointSaveError, match=r"Removed step-000003\.tmp"):
+        save_checkpoint(root, model=model, optimizer=opt, state=st, env=two, keep_last=3)
+    assert not tmp.exists()
+    raised[0] = KeyboardInterrupt()
+    with pytest.raises(KeyboardInterrupt):  # one process: nobody else writes there
+        save_checkpoint(root, model=model, optimizer=opt, state=st, env=ENV, keep_last=3)
+    assert not tmp.exists()
+
+
+def test_a_replacement_that_fails_to_land_keeps_the_earlier_checkpoint(two_saved, monkeypatch):
+    """A re-save of step 2 whose final rename fails: the step 2 moved aside is put back, and the next save's clean-up
+    of ``*.tmp`` folders never deletes it (an orphaned ``step-N.old.tmp`` is renamed back)."""
+    _, newest = two_saved
+    root = newest.parents[1]
+    model, opt = _toy()
+    real = Path.rename
+
+    def rename(self, target):
+        if self.name == "step-000002.tmp":
+            raise OSError(errno.EXDEV, "the rename failed")
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(CheckpointSaveError, match="the rename failed"):
+        _save(root, 2, model, opt)
+    monkeypatch.undo()
+    assert verify_checkpoint(newest).ok and not list(newest.parent.glob("*.tmp"))
+    newest.rename(newest.with_name("step-000002.old.tmp"))  # as if putting it back had failed too
+    _save(root, 3, model, opt)
+    assert [p.name for p in complete_checkpoints(root)] == ["step-000001", "step-000002", "step-000003"]
+    assert verify_checkpoint(newest).ok
+
+
+def test_each_data_file_is_read_once_per_resume_not_once_per_rank(tmp_path, monkeypatch):
+    """A checkpoint of 3 ranks resumed on 2: each rank opens every 2nd data file (the parts are gathered), where every
+    rank opened all of them (a 256-rank job: 65,536 opens on the shared filesystem)."""
+    from vlm_sft.parallel import collectives
+
+    for r in range(3):
+        (tmp_path / state.data_file(r)).write_text(json.dumps({"format": 1, "streams": {str(r): {"at": r}}}))
+        state.write_rng(tmp_path / state.rng_file(r), capture_rng())
+    main = {"format": 1, "step": 4, "world_size": 3, "scheduler": {}, "param_groups": [], "extra": {}}
+    (tmp_path / state.TRAINER_STATE).write_text(json.dumps(main))
+    opened: dict[int, list[str]] = {0: [], 1: []}
+    reading = [0]
+    real = state._read_json
+    monkeypatch.setattr(collectives, "all_reduce_sum", lambda value, env: value)  # one rank at a time, no group
+
+    def read_json(path):
+        if path.name.startswith("data-rank"):
+            opened[reading[0]].append(path.name)
+        return real(path)
+
+    def gather(obj, env):  # this rank's share, and the other rank's as it would read it
+        other = {q: json.loads((tmp_path / state.data_file(q)).read_text()) for q in range(1 - env.rank, 3, 2)}
+        return [obj, other] if env.rank == 0 else [other, obj]
+
+    monkeypatch.setattr(state, "_read_json", read_json)
+    monkeypatch.setattr(state, "gather_objects", gather, raising=False)
+    for rank in (1, 0):
+        reading[0] = rank
+        env = DistEnv(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+        data = state.read_trainer_state(tmp_path, env=env).data
+    assert opened == {0: ["data-rank00000.json", "data-rank00002.json"], 1: ["data-rank00001.json"]}
+    assert data["streams"] == {"0": {"at": 0}, "1": {"at": 1}, "2": {"at": 2}}
+
+
+def test_a_metadata_class_this_torch_does_not_list_is_refused_naming_it_and_the_versions(two_saved, monkeypatch):
+    """A class that a later torch moves would make a valid checkpoint unreadable: the message says which class, which
+    torch versions, and the fix."""
+    from vlm_sft.parallel import dcp
+
+    _, newest = two_saved
+    moved = ("torch.distributed.checkpoint.metadata", "Metadata")
+    monkeypatch.setattr(dcp, "_METADATA_CLASSES", dcp._METADATA_CLASSES - {moved})
+    with pytest.raises(dcp.UnknownMetadataClass) as info:
+        dcp.check_metadata(newest)
+    message = str(info.value)
+    assert f"{newest / '.metadata'} refers to torch.distributed.checkpoint.metadata.Metadata" in message
+    assert f"listed for torch {dcp.LISTED_FOR}; this is torch {torch.__version__}" in message
+    assert "_METADATA_CLASSES in vlm_sft/parallel/dcp.py" in message

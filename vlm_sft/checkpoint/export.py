@@ -242,8 +242,13 @@ def _gather(t: torch.Tensor, env: DistEnv) -> torch.Tensor | None:
 def _host(t: torch.Tensor, out: ExportedTensor, *, own: bool = False) -> torch.Tensor:
     """``t`` on the CPU in the export dtype, contiguous; ``own`` copies a view that must not share its storage
     (safetensors refuses a file whose tensors overlap; an expert is a view of its layer's gathered tensor)."""
-    assert tuple(t.shape) == out.shape, (out.key, tuple(t.shape), out.shape)
+    if tuple(t.shape) != out.shape:  # raised, not asserted: under python -O the wrong tensor would be written
+        raise ExportPlanError(f"{out.key}: the model holds shape {tuple(t.shape)}, the export planned {out.shape}")
     return t.to(device="cpu", dtype=out.dtype, copy=own).contiguous()
+
+
+class ExportPlanError(RuntimeError):
+    """The streamed export found a tensor or a file other than it planned: a bug in the plan, never written."""
 
 
 def _step_tensors(
@@ -301,7 +306,8 @@ class _ShardWriter:
 
     def finish(self) -> None:
         """Writes the index (sharded exports), after every shard: a reader never finds an index without its files."""
-        assert not self._pending, f"files never completed: {sorted(self._pending)}"
+        if self._pending:  # an export missing files is never sealed (python -O keeps this check)
+            raise ExportPlanError(f"files never completed: {sorted(self._pending)}")
         with all_ranks_or_none(self.env, f"writing {self.directory / INDEX_FILE}"):
             if self.env.is_main and self.layout.sharded:
                 index = {"metadata": {"total_size": self.layout.total_size}, "weight_map": self.layout.weight_map()}

@@ -240,14 +240,26 @@ def write_manifest(
     return digest
 
 
+ASIDE_SUFFIX = ".old.tmp"
+"""``replace_folder`` moves an earlier folder of the same name aside as ``<name>.old.tmp`` while the new one lands."""
+
+
 def replace_folder(tmp: Path, directory: Path) -> None:
     """``tmp`` (complete and sealed) renamed to ``directory``; an earlier ``directory`` is moved aside first and
-    removed after, so a crash leaves either folder whole, never a mix (rank-local: one rank calls this)."""
-    old = directory.with_name(directory.name + ".old.tmp")
-    if directory.exists():
+    removed after, so a crash leaves either folder whole, never a mix (rank-local: one rank calls this). When the
+    rename of ``tmp`` fails, the earlier folder is moved back before the error goes on: it may be the only copy, and
+    a later save's clean-up removes every ``*.tmp`` (``state._remove_stale`` also restores an orphaned one)."""
+    old = directory.with_name(directory.name + ASIDE_SUFFIX)
+    moved = directory.exists()
+    if moved:
         shutil.rmtree(old, ignore_errors=True)
         directory.rename(old)
-    tmp.rename(directory)
+    try:
+        tmp.rename(directory)
+    except OSError:
+        if moved:
+            old.rename(directory)
+        raise
     sync_files([directory.parent])
     shutil.rmtree(old, ignore_errors=True)
 

@@ -35,9 +35,11 @@ Multi-node runs need ``output_dir`` on a filesystem every node sees.
 (``checkpoint.resume``: ``latest`` falls back to the newest intact checkpoint, a damaged one named by path is refused
 naming the file).
 
-**A failed save** (a full disk, no permission: on any rank, in any file) removes its ``step-N.tmp``, touches no earlier
-checkpoint and stops every rank: the failing rank raises ``CheckpointSaveError`` naming the checkpoint, the folder and
-the error, the others ``PeerFailure`` (``parallel.collectives``).
+**A failed save** (a full disk, no permission: on any rank, in any file) touches no earlier checkpoint and stops every
+rank: the failing rank raises ``CheckpointSaveError`` naming the checkpoint, the folder and the error, the others
+``PeerFailure`` (``parallel.collectives``). Its ``step-N.tmp`` is removed when every rank stopped at the same point
+(an agreement, DCP's own error, one process); after a failure on one rank alone (Ctrl-C on rank 0, an error between
+two collectives) the others may still write there, so the next save removes it.
 """
 
 from __future__ import annotations
@@ -67,9 +69,10 @@ from vlm_sft.checkpoint.resume import (  # noqa: F401 (resolve_resume, verify_ch
     resolve_resume,
     verify_checkpoint,
 )
-from vlm_sft.parallel.collectives import PeerFailure, all_ranks_or_none
+from vlm_sft.parallel.collectives import PeerFailure, all_ranks_or_none, gather_objects
 from vlm_sft.parallel.dcp import check_metadata, load_tensors, save_tensors, set_sharded_state, sharded_state
 from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.failure import agreed
 
 logger = logging.getLogger(__name__)
 
@@ -224,8 +227,8 @@ def save_checkpoint(
     try:
         _write_checkpoint(tmp, final, model, optimizer, state, env, write_extra, trainable_only)
     except BaseException as err:  # every failure, DCP's CheckpointException (a BaseException) too: cleaned, re-raised
-        _discard(tmp, env)
-        stop = _save_error(err, state.step, tmp, output_dir, env)
+        removed = _discard(tmp, err, env)
+        stop = _save_error(err, state.step, tmp, output_dir, env, removed=removed)
         if stop is err:
             raise
         raise stop from err
@@ -233,10 +236,23 @@ def save_checkpoint(
         if env.is_main:
             for old in complete_checkpoints(output_dir)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-            for stale in root.glob("step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+            _remove_stale(root)
             logger.info("saved checkpoint %s", final)
     return final
+
+
+def _remove_stale(root: Path) -> None:
+    """Remove the ``step-N.tmp`` folders of saves that failed or were killed (rank 0, after a complete save). A
+    ``step-N.old.tmp`` whose ``step-N`` is missing is the only copy of a checkpoint whose replacement failed to land
+    (``integrity.replace_folder``): it is renamed back, never removed."""
+    for stale in root.glob("step-*.tmp"):
+        if stale.name.endswith(integrity.ASIDE_SUFFIX):
+            home = stale.with_name(stale.name.removesuffix(integrity.ASIDE_SUFFIX))
+            if not home.exists():
+                stale.rename(home)
+                logger.warning("restored %s from %s (its replacement never landed)", home, stale.name)
+                continue
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _write_checkpoint(
@@ -283,15 +299,23 @@ def _writer_rank(relative: str) -> int:
     return int(next(g for g in m.groups() if g is not None)) if m else 0
 
 
-def _discard(tmp: Path, env: DistEnv) -> None:
-    """Rank 0 removes a failed save's folder (every rank stopped at the same agreement, none writes into it)."""
-    if env.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if tmp.exists():
-            logger.warning("could not remove the failed save's folder %s; the next save removes it", tmp)
+def _discard(tmp: Path, err: BaseException, env: DistEnv) -> bool:
+    """Rank 0 removes a failed save's folder when no rank can be writing into it any more, i.e. every rank stopped at
+    the same point: one process, an agreement's error (``PeerFailure`` on the others), DCP's error (every rank gets
+    it). Otherwise (Ctrl-C on rank 0 alone, an error between two collectives) a peer may still be writing there: the
+    folder is left to the next save, which removes every stale ``.tmp``. True when it was removed."""
+    everyone = not env.distributed or agreed(err) or isinstance(err, PeerFailure) or bool(_dcp_failures(err))
+    if not (env.is_main and everyone):
+        return False
+    shutil.rmtree(tmp, ignore_errors=True)
+    if tmp.exists():
+        logger.warning("could not remove the failed save's folder %s; the next save removes it", tmp)
+    return not tmp.exists()
 
 
-def _save_error(err: BaseException, step: int, tmp: Path, output_dir: str | Path, env: DistEnv) -> BaseException:
+def _save_error(
+    err: BaseException, step: int, tmp: Path, output_dir: str | Path, env: DistEnv, *, removed: bool
+) -> BaseException:
     """What a failed save raises on this rank: the failing rank a ``CheckpointSaveError`` naming the folder and the
     cause, the others ``PeerFailure``; an interrupt or a peer's failure unchanged."""
     failures = _dcp_failures(err)
@@ -305,8 +329,9 @@ def _save_error(err: BaseException, step: int, tmp: Path, output_dir: str | Path
     else:
         reason = str(err) if isinstance(err, CheckpointSaveError) else _reason(err)  # the HF export's, inside
     kept = [p.name for p in complete_checkpoints(output_dir)]
+    left = f"Removed {tmp.name}" if removed else f"Left {tmp.name} (the next save removes it)"
     return CheckpointSaveError(
-        f"could not save the checkpoint of step {step} into {tmp}: {reason}. Removed {tmp.name}; the earlier "
+        f"could not save the checkpoint of step {step} into {tmp}: {reason}. {left}; the earlier "
         f"checkpoints are kept ({', '.join(kept) or 'none yet'}). Free space (or fix the permissions) under "
         f"{tmp.parent}, then resume with --train.resume latest"
     )
@@ -347,8 +372,8 @@ def _read_json(path: Path) -> Any:
 
 
 def _read(path: Path, env: DistEnv) -> tuple[TrainerState, list[dict]]:
-    """The plain-format part of a checkpoint and the optimizer's param_groups; every rank reads every rank's data
-    file and its own RNG file (rank 0's when the checkpoint has no file for this rank)."""
+    """The plain-format part of a checkpoint and the optimizer's param_groups; every rank reads its own RNG file
+    (rank 0's when the checkpoint has no file for this rank) and its share of the data files (``_read_positions``)."""
     with all_ranks_or_none(env, f"opening the checkpoint {path}"):
         main = _read_json(path / TRAINER_STATE)
         if main.get("format") != STATE_FORMAT:
@@ -356,16 +381,27 @@ def _read(path: Path, env: DistEnv) -> tuple[TrainerState, list[dict]]:
                 f"{path / TRAINER_STATE} has format {main.get('format')!r}; this code reads {STATE_FORMAT}"
             )
         world = int(main["world_size"])
-        data = merge_positions(_read_json(path / data_file(r)) for r in range(world))
         rng_rank = env.rank if env.rank < world else 0
         try:
             rng = read_rng(path / rng_file(rng_rank))
         except SafetensorError as err:
             raise ValueError(f"{path / rng_file(rng_rank)} is not an RNG state file ({err})") from err
+    data = _read_positions(path, world, env)
     if rng_rank != env.rank:
         logger.info("rank %d: %s was written by %d processes; restoring rank 0's RNG state", env.rank, path, world)
     state = TrainerState(main["step"], main["scheduler"], data, rng, main["extra"], world)
     return state, main["param_groups"]
+
+
+def _read_positions(path: Path, world: int, env: DistEnv) -> dict:
+    """The global data position from the ``world`` ranks' data files: each rank reads every ``world_size``-th file
+    and the parts are gathered, so each file is opened once per resume, not once per rank (a 256-rank job: 256
+    opens on the shared filesystem, not 65,536); every rank must call this."""
+    with all_ranks_or_none(env, f"reading the data positions in {path}"):
+        mine = {r: _read_json(path / data_file(r)) for r in range(env.rank, world, env.world_size)}
+    parts = {r: part for share in gather_objects(mine, env) for r, part in share.items()}
+    with all_ranks_or_none(env, f"joining the data positions in {path}"):
+        return merge_positions(parts[r] for r in range(world))
 
 
 def read_trainer_state(path: str | Path, *, env: DistEnv) -> TrainerState:

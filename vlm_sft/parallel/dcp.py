@@ -29,18 +29,35 @@ _METADATA_CLASSES = {
     ("torch.serialization", "_get_layout"),  # looks a torch.layout up by its name, nothing else
     *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "PurePosixPath")),
 }
-"""What the ``.metadata`` of a DCP checkpoint of tensors refers to (torch 2.13): plain dataclasses, enums and
-names. Anything else in it is refused, so the file cannot run code."""
+"""What the ``.metadata`` of a DCP checkpoint of tensors refers to: plain dataclasses, enums and names. Anything else
+in it is refused (``UnknownMetadataClass``), so the file cannot run code."""
+LISTED_FOR = "2.13"
+"""The torch version ``_METADATA_CLASSES`` was written for (torch 2.14's checkpoints name no other class: a 2.14
+checkpoint resumed on 2.13 and on 2.14, issue 44). Named in ``UnknownMetadataClass``'s message."""
+
+
+class UnknownMetadataClass(pickle.UnpicklingError):
+    """A DCP ``.metadata`` names a class outside ``_METADATA_CLASSES``: a checkpoint of another torch whose DCP moved
+    or added a class, or a file that is not DCP's. Never unpickled; the message names the class, the torch versions
+    and the fix."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, stream: Any, path: str) -> None:
+        super().__init__(stream)
+        self.path = path
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_CLASSES or (
             module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         ):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(
-            f"{module}.{name} is not part of a DCP checkpoint's metadata: refused, since unpickling it could run code"
+        raise UnknownMetadataClass(
+            f"{self.path} refers to {module}.{name}, which is not one of the DCP metadata classes vlm-sft reads "
+            f"(listed for torch {LISTED_FOR}; this is torch {torch.__version__}): refused, since unpickling an unknown "
+            "class could run code. A checkpoint written by another torch version, whose DCP moved or added that "
+            f"class: resume it with the torch that wrote it, or, if {module}.{name} is DCP's own plain metadata "
+            "class, add it to _METADATA_CLASSES in vlm_sft/parallel/dcp.py"
         )
 
 
@@ -52,7 +69,7 @@ class SafeReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
+            metadata = _MetadataUnpickler(stream, str(path)).load()
         if not isinstance(metadata, Metadata):
             raise ValueError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
         pickled = sorted(k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
