@@ -34,6 +34,8 @@ from vlm_sft.parallel.collectives import PeerFailure, all_reduce, check_peers
 from vlm_sft.parallel.env import DistEnv
 
 PROBE = str(Path(__file__).with_name("collective_probe.py"))
+FAULT_RUN = str(Path(__file__).with_name("fault_run.py"))
+"""The CLI with a marker printed if the interpreter's teardown runs (and no fault planted here)."""
 COLLECTIVES = {
     "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_single",
     "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "barrier", "monitored_barrier", "all_to_all",
@@ -198,7 +200,11 @@ def _free_port() -> int:
 def test_a_failure_on_one_rank_stops_every_rank_with_the_message_once(tmp_path):
     """Rank 1 cannot read its part of the checkpoint to resume from (its RNG state); rank 0 can. Without the
     agreement rank 0 would walk into the checkpoint's collectives alone and wait (on NCCL: until the 10-minute
-    timeout)."""
+    timeout). Both leave through the CLI's one exit path, which skips the interpreter's teardown: rank 1's error
+    used to end in that teardown, which aborted now and then (SIGABRT, -6, instead of 1; ``fault_run.py`` prints a
+    marker when the teardown runs)."""
+    from fault_run import TEARDOWN_MARKER
+
     from vlm_sft.checkpoint.state import TRAINER_STATE, capture_rng, data_file, rng_file, write_rng
 
     ckpt = tmp_path / "ckpt"
@@ -219,7 +225,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_message_once(tmp_path):
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         }  # fmt: skip
-        cmd = [sys.executable, TRAIN_SCRIPT, *args]
+        cmd = [sys.executable, FAULT_RUN, *args]
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outputs = [p.communicate(timeout=120) for p in procs]
     elapsed = time.monotonic() - start
@@ -227,6 +233,7 @@ def test_a_failure_on_one_rank_stops_every_rank_with_the_message_once(tmp_path):
     assert [p.returncode for p in procs] == [1, 1], err
     assert "stopped: rank 1 failed while opening the checkpoint" in err[0]
     assert (err[0] + err[1]).count("rng-rank00001.safetensors is not an RNG state file") == 1, err
+    assert TEARDOWN_MARKER not in err[0] + err[1], err
     assert elapsed < 60, elapsed  # start-up included; the failure itself ends both ranks at once
 
 

@@ -54,16 +54,16 @@ def launch_env() -> dict[str, str]:
     return env
 
 
-def train_command(args: list[str], nproc: int = 1) -> list[str]:
+def train_command(args: list[str], nproc: int = 1, script: str = TRAIN_SCRIPT) -> list[str]:
     if nproc == 1:
-        return [sys.executable, TRAIN_SCRIPT, *args]
+        return [sys.executable, script, *args]
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        TRAIN_SCRIPT,
+        script,
         *args,
     ]
 
@@ -72,14 +72,17 @@ class Background:
     """A training run started in the background, so that independent runs of one test share the cores (a run is
     mostly one process importing torch and transformers); ``wait`` collects it, ``kill`` ends all of it."""
 
-    def __init__(self, args: list[str], *, nproc: int = 1) -> None:
+    def __init__(
+        self, args: list[str], *, nproc: int = 1, script: str = TRAIN_SCRIPT, env: dict[str, str] | None = None
+    ) -> None:
+        """``script``: the entry point (a test wrapper of it, e.g. ``fault_run.py``); ``env``: added variables."""
         # Output goes to files, not pipes: a run nobody reads until it ends must never block on a full pipe.
         self.out = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the run; read back by wait)
         self.err = tempfile.TemporaryFile("w+")  # noqa: SIM115
         self.nproc = nproc
         self.proc = subprocess.Popen(
-            train_command(args, nproc), env=launch_env(), cwd=REPO_ROOT, stdout=self.out, stderr=self.err, text=True,
-            start_new_session=True,
+            train_command(args, nproc, script), env=launch_env() | (env or {}), cwd=REPO_ROOT, stdout=self.out,
+            stderr=self.err, text=True, start_new_session=True,
         )  # fmt: skip
 
     def kill(self, workers: list[int] | None = None) -> list[int]:
@@ -156,6 +159,44 @@ def child_pids(pid: int) -> list[int]:
             if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
                 out.append(int(stat.parent.name))
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: its children, theirs, ... (torchrun's workers and their data workers too)."""
+    parent_of = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):  # a process that ended while the folder was read
+            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        below = frontier.pop()
+        children = [c for c, parent in parent_of.items() if parent == below]
+        found += children
+        frontier += children
+    return found
+
+
+def _stat(pid: int | str) -> list[str]:
+    """``/proc/<pid>/stat``'s fields after the command name: state, ppid, pgrp, session, ..."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def session_of(pid: int) -> int | None:
+    """The session of ``pid`` (None once it ended)."""
+    try:
+        return int(_stat(pid)[3])
+    except OSError:
+        return None
+
+
+def in_sessions(sessions: set[int | None]) -> list[int]:
+    """The processes now in ``sessions``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            if int(_stat(stat.parent.name)[3]) in sessions:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def is_alive(pid: int) -> bool:

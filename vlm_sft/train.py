@@ -8,6 +8,9 @@ before the first optimizer step: run it, with the same launcher and processes, b
 Long runs on a cluster: SIGTERM or SIGUSR1 to any process saves a checkpoint after the next step on every rank and
 exits with code 143 (a second signal exits at once); ``--train.resume latest`` continues, also as the restart recipe
 ``torchrun --max-restarts N ... --train.resume latest`` (``vlm_sft/trainer/preemption.py``).
+
+Exit codes, the same on every process of a run: 0 finished; 1 an error (the data, a checkpoint, a failed rank, a bug:
+its traceback); 2 a config error; 130 Ctrl-C; 143 stopped by a stop signal after its checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
+from typing import NoReturn
 
 from vlm_sft.cpu_threads import prepare_cpu_env
 
@@ -53,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_sft.checkpoint.state import CheckpointSaveError
     from vlm_sft.data.pipeline import EmptyPassError, SkipFractionError
     from vlm_sft.parallel.collectives import PeerFailure
+    from vlm_sft.parallel.dcp import UnknownMetadataClass
     from vlm_sft.trainer.dry_run import dry_run
     from vlm_sft.trainer.loop import train
     from vlm_sft.trainer.preemption import PREEMPTED_EXIT_CODE
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SkipFractionError, EmptyPassError, FileNotFoundError) as err:  # the data, not the code: no traceback
         print(f"data error: {err}", file=sys.stderr)
         return 1
-    except CheckpointSaveError as err:  # a full disk, no permission: the earlier checkpoints are kept
+    except (CheckpointSaveError, UnknownMetadataClass) as err:  # a full disk; a checkpoint this torch cannot read
         print(f"checkpoint error: {err}", file=sys.stderr)
         return 1
     if result.stopped is not None:  # a stop signal: every rank exits with the code that says "resume me"
@@ -97,6 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     if known.dry_run:  # the report was printed by dry_run(); nothing was trained or saved
         print(f"dry run done: no optimizer step taken; the report is in {cfg.train.output_dir}/dry_run.json")
         return 0
+    report(result, cfg.train.output_dir)
+    return 0
+
+
+def report(result, output_dir: str) -> None:
+    """Rank 0's summary of a finished run (a ``trainer.loop.RunResult``): final eval, data, speed, plot."""
     if result.last_eval:
         accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}
         print(f"final eval: loss {result.last_eval['eval_loss']:.4f}, accuracy {accs}")
@@ -104,14 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     reasons = ", ".join(f"{reason} {info['count']}" for reason, info in data["skipped"].items()) or "none"
     print(
         f"data: {data['samples_seen']} samples seen, {data['samples_packed']} packed, {data['samples_skipped']} "
-        f"skipped ({reasons}); details in {cfg.train.output_dir}/data_accounting.json"
+        f"skipped ({reasons}); details in {output_dir}/data_accounting.json"
     )
     print(
         f"finished {result.steps} steps in {result.wall_time_s:.1f} s ({result.real_tokens_per_s:.0f} real tokens/s); "
         f"checkpoint: {result.final_dir}"
     )
-    plot(cfg.train.output_dir)
-    return 0
+    plot(output_dir)
 
 
 def plot(output_dir: str) -> None:
@@ -126,10 +137,37 @@ def plot(output_dir: str) -> None:
         print(f"plot: {path} (python -m vlm_sft.plot {output_dir} redraws it)")
 
 
-if __name__ == "__main__":
-    exit_code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a process of a multi-process run: skip the teardown that aborts
-        from vlm_sft.parallel.env import end_process
+INTERRUPTED_EXIT_CODE = 130
+"""Ctrl-C (SIGINT): 128 + 2, what a shell reports for a process that SIGINT ended."""
 
-        end_process(exit_code)
-    sys.exit(exit_code)
+
+def cli(argv: list[str] | None = None) -> NoReturn:
+    """``main``, then one way out whatever happened, with the code of the module docstring: data workers still alive
+    are ended (none may hold the exit), and a process of a multi-process run leaves without the interpreter's
+    teardown (``parallel.env.end_process``: on gloo it could abort, SIGABRT, after an error as after a finished
+    run)."""
+    try:
+        code = main(argv)
+    except KeyboardInterrupt:
+        print(
+            "interrupted (Ctrl-C): nothing saved since the last checkpoint; --train.resume latest continues from it",
+            file=sys.stderr,
+        )
+        code = INTERRUPTED_EXIT_CODE
+    except SystemExit as exit_:  # argparse's --help and usage errors: their code, as Python would exit
+        code = exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        if isinstance(exit_.code, str):
+            print(exit_.code, file=sys.stderr)
+    except BaseException:  # the process's last handler (DCP's errors are BaseExceptions): the traceback, the exit below
+        traceback.print_exc()
+        code = 1
+    from vlm_sft.parallel.env import end_children, end_process
+
+    end_children()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a process of a multi-process run: skip the teardown that aborts
+        end_process(code)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    cli()

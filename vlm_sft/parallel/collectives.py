@@ -77,11 +77,18 @@ def check_peers(
 
     If any rank failed, the lowest failing rank raises its own ``error`` and every other rank ``PeerFailure``
     (so an error every rank hit, e.g. a bad setting, is printed once); otherwise returns the summed ``values``
-    (a CPU float64 tensor) or None.
+    (a CPU float64 tensor) or None. When the all-reduce itself fails (a peer died) on a rank that had failed, that
+    rank raises its own ``error``, the collective's failure chained to it: the cause of its stop is never lost.
     """
     flag = torch.tensor([0.0 if error is None else 1.0], dtype=torch.float64)
     local = flag if values is None else torch.cat([flag, _host(values, "check_peers").double()])
-    total = all_reduce_sum(local, env)
+    try:
+        total = all_reduce_sum(local, env)
+    except RuntimeError as reduce_error:  # torch.distributed's errors (DistBackendError, ...) are RuntimeErrors
+        if error is None:
+            raise
+        error.add_note(f"(telling the other ranks failed too: {type(reduce_error).__name__}: {reduce_error})")
+        raise error from reduce_error
     if float(total[0]) > 0:
         messages: list[str | None] = [None] * env.world_size
         if env.distributed:

@@ -94,12 +94,27 @@ so a run's ``cp`` has one type); ``apply_context_parallel(model, NO_CP)`` turns 
 # ---------------------------------------------------------------------------------- the token mixers' wrappers
 
 
+class ContextParallelDecodeError(RuntimeError):
+    """A token mixer wrapped for context parallelism was handed a decode cache: decoding runs with CP off (the
+    trainer's eval and generation turn it off; ``decode.cached_logits`` refuses it before any layer runs), so this is
+    a caller that skipped both."""
+
+
+def _refuse_cache(cache: object, module: nn.Module) -> None:
+    """A raised error, not an ``assert``: under ``python -O`` a cache would otherwise be ignored, silently."""
+    if cache is not None:
+        raise ContextParallelDecodeError(
+            f"{type(module).__name__} got a decode cache while context parallelism is on: decode with it off "
+            "(parallel.parallelize.context_parallel_off), as the trainer's eval and generation do"
+        )
+
+
 def _linear_attn_forward(
     module: GatedDeltaNet, cp: ContextParallel, x_tD: torch.Tensor, segments: Segments, backends: Backends, cache=None
 ) -> torch.Tensor:
     """``GatedDeltaNet.forward`` under CP: ``x_tD`` is this rank's tokens; the conv and the rule run on the whole
     sequence for this rank's block of heads, between two all-to-alls."""
-    assert cache is None, "decoding refuses context parallelism before any layer runs (decode.cached_logits)"
+    _refuse_cache(cache, module)
     qkv_tC, b_tH, a_tH = module.project(x_tD)
     qkv_TC, b_TH, a_TH = _linear_attn_to_heads(module, cp, qkv_tC, b_tH, a_tH)
     o_THV = module.core(qkv_TC, b_TH, a_TH, segments, backends, heads=HeadBlock(cp.rank, cp.size))
@@ -129,7 +144,7 @@ def _attention_forward(
 ) -> torch.Tensor:
     """``GatedAttention.forward`` under CP: ``x_tD`` is this rank's tokens; the attention runs on the whole sequence
     for this rank's query heads (and their kv heads), between two all-to-alls."""
-    assert cache is None, "decoding refuses context parallelism before any layer runs (decode.cached_logits)"
+    _refuse_cache(cache, module)
     q_tHD, k_tHD, v_tHD, gate_tHD = module.project(x_tD, cos_tR, sin_tR)
     q_THD, k_THD, v_THD = _attention_to_heads(module, cp, q_tHD, k_tHD, v_tHD)
     o_THD = module.core(q_THD, k_THD, v_THD, segments, backends)

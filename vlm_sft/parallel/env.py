@@ -151,6 +151,19 @@ def cleanup(env: DistEnv, *, finished: bool) -> None:
         dist.destroy_process_group()
 
 
+def end_children(wait_s: float = 5.0) -> None:
+    """Kill the child processes this process started through multiprocessing that are still alive (data workers an
+    error left behind; a run ends its own, ``TrainBatches.close``), and reap them: no exit may wait for them, and
+    multiprocessing's exit handler would join them without a timeout."""
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(wait_s)
+
+
 def end_process(code: int) -> NoReturn:
     """End a process of a multi-process run with ``code``, without the interpreter's teardown.
 

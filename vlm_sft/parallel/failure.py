@@ -13,7 +13,8 @@ group was built on: a TCP connection that works whatever the collectives' state)
   an agreement (every rank knows already) or a peer posted first (then it raises ``PeerFailure`` naming that peer);
 - a watcher thread on every rank polls one counter every ``POLL_S``; when a peer posted, rank 0 prints which rank
   failed while doing what, and every process ends at once with ``PEER_FAILED_EXIT`` (its main thread may be blocked
-  in a C++ collective, which no Python exception can interrupt).
+  in a C++ collective, which no Python exception can interrupt), its data workers first. A store that does not
+  answer (a timeout) is logged once and polled again, never a silent end of the watch.
 
 A rank that dies without a word (SIGKILL, the OOM killer) posts nothing: its peers' gloo collectives fail as soon as
 its connections close, and NCCL's watchdog ends them after ``collective_timeout_s``. What each rank is doing is the
@@ -23,7 +24,6 @@ its connections close, and NCCL's watchdog ends them after ``collective_timeout_
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 from collections.abc import Iterator
@@ -31,12 +31,17 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from vlm_sft.parallel.env import end_children, end_process
+
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0
 """Seconds between two looks at the board (one small store request each)."""
 PEER_FAILED_EXIT = 1
 """Exit code of a rank stopped because a peer failed (as for an agreed failure)."""
+STORE_ERRORS = (RuntimeError, OSError)
+"""What a store request raises when the store does not answer (torch's ``DistStoreError`` and ``DistNetworkError`` are
+RuntimeErrors; a closed socket may be an OSError)."""
 _COUNT = "failures"
 _phase = "starting"
 
@@ -108,7 +113,7 @@ class FailureBoard:
         try:
             self.store.set(f"rank{self.rank}", message.encode())
             self.store.add(_COUNT, 1)
-        except Exception as exc:  # the store itself is gone (the launcher died): nothing more to tell
+        except STORE_ERRORS as exc:  # the store itself is gone (the launcher died): nothing more to tell
             logger.warning("could not tell the other ranks about the failure: %s", exc)
 
     def first(self) -> tuple[int, str] | None:
@@ -129,11 +134,24 @@ class FailureBoard:
         self._stop.set()
 
     def _watch(self) -> None:
+        """Poll until ``stop``. A store that does not answer (a timeout, a restarting launcher) is logged once and
+        polled again: the run keeps fail-fast stopping, and says so while it cannot."""
+        failing = None
         while not self._stop.wait(self.poll_s):
             try:
                 posted = self.first()
-            except Exception:  # the store closed: the run is ending anyway
-                return
+            except STORE_ERRORS as exc:
+                if failing is None and not self._stop.is_set():
+                    logger.warning(
+                        "rank %d: the failure board's store does not answer (%s: %s); still trying every %g s (until "
+                        "it does, a peer's failure stops this rank only through its collectives or their timeout)",
+                        self.rank, type(exc).__name__, exc, self.poll_s,
+                    )  # fmt: skip
+                failing = exc
+                continue
+            if failing is not None:
+                logger.warning("rank %d: the failure board's store answers again", self.rank)
+                failing = None
             if posted is not None and not self._stop.is_set():
                 _stop_process(self.rank, *posted)
 
@@ -146,7 +164,7 @@ def stop_peers(board: FailureBoard | None, error: BaseException) -> None:
         return
     try:
         posted = board.first()
-    except Exception:
+    except STORE_ERRORS:  # no answer: post anyway (post says so when that fails too)
         posted = None
     if posted is not None:
         raise PeerFailure(posted[1], {posted[0]: posted[1]}) from error
@@ -154,10 +172,9 @@ def stop_peers(board: FailureBoard | None, error: BaseException) -> None:
 
 
 def _stop_process(rank: int, failed: int, message: str) -> None:
-    """End this process because rank ``failed`` failed (rank 0 says so); flushes what Python buffers first."""
+    """End this process because rank ``failed`` failed (rank 0 says so), its data workers first
+    (``env.end_process``)."""
     if rank == 0:
         print(f"stopped: rank {failed} failed while {message}", file=sys.stderr)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(PEER_FAILED_EXIT)
+    end_children()
+    end_process(PEER_FAILED_EXIT)

@@ -120,5 +120,13 @@ def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if tuple(shape[1:]) != tuple(t.shape[1:]) or any(isinstance(p, Partial) for p in t.placements):
         raise NotImplementedError(f"only layouts that split dim 0 are supported, got placements {t.placements}")
     start, stop = min(offset[0], t.shape[0]), min(offset[0] + shape[0], t.shape[0])
-    assert local.shape[0] == stop - start, f"local shard has {local.shape[0]} rows, expected {stop - start}"
+    if local.shape[0] != stop - start:  # raised, not asserted: under python -O the wrong rows would be filled silently
+        raise ShardLayoutError(
+            f"this rank's shard has {local.shape[0]} rows where torch's offset rule gives rows {start}:{stop} of "
+            f"{t.shape[0]} (placements {t.placements}): a sharding layout this code does not know"
+        )
     return local, start, stop
+
+
+class ShardLayoutError(RuntimeError):
+    """A DTensor's local shard does not hold the rows the row rule says it does (module docstring)."""

@@ -34,6 +34,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ MAX_AUTO_WORKERS = 8
 """``data.num_workers = None`` never starts more workers than this per rank (``bench/bench_data.py``: one H200 on
 the 0.8B model needs about 8 for 1-4 real-size images per sample)."""
 
+WORKER_EXIT_S = 5.0
+"""Seconds the data workers get to end at the run's end (``TrainBatches.close``) before they are killed."""
 POSITION_FORMAT = 1
 """Version of ``TrainBatches.state_dict()``; a checkpoint with another one is refused, never misread."""
 
@@ -108,7 +111,12 @@ class DataLayout:
     """``train.cp_size``; recorded with a position to describe the run that wrote it."""
 
     def __post_init__(self) -> None:
-        assert 0 <= self.dp_rank < self.dp_size and self.micro_batches >= 1 and self.streams_per_micro_batch >= 1
+        if not (0 <= self.dp_rank < self.dp_size and self.micro_batches >= 1 and self.streams_per_micro_batch >= 1):
+            raise ValueError(
+                f"no data layout for data-parallel rank {self.dp_rank} of {self.dp_size}, train.micro_batches = "
+                f"{self.micro_batches}, data.streams_per_micro_batch = {self.streams_per_micro_batch}: the rank must "
+                "be below the size, the counts at least 1"
+            )
 
     @property
     def global_batch(self) -> int:
@@ -249,6 +257,26 @@ class _StreamBatches(IterableDataset):
         return pipeline
 
 
+def end_workers(loader: Iterator, wait_s: float = WORKER_EXIT_S) -> None:
+    """End the worker processes of a DataLoader's iterator (nothing for any other iterator); idempotent.
+
+    Left to the interpreter's exit, a worker held a failed run for ever: multiprocessing's exit handler SIGTERMs the
+    workers, which ignore the first stop signal (``preemption.data_worker_init``), then joins them without a timeout.
+    So the DataLoader's own shutdown runs (an end marker to each worker, then joins), on a thread, and a worker still
+    alive after ``wait_s`` (busy rendering, or blocked on a file) is killed, which also ends the shutdown's waits."""
+    shutdown = getattr(loader, "_shutdown_workers", None)  # torch's _MultiProcessingDataLoaderIter (private)
+    if shutdown is None:
+        return
+    stopper = threading.Thread(target=shutdown, name="vlm-sft-data-shutdown", daemon=True)
+    stopper.start()
+    stopper.join(wait_s)
+    for worker in loader._workers:
+        if worker.is_alive():
+            logger.warning("data worker %d still running %.0f s after the run's end: killed", worker.pid, wait_s)
+            worker.kill()
+    stopper.join(wait_s)
+
+
 class TrainBatches:
     """``next(batches)`` -> this rank's next ``PackedBatch``; ``state_dict()`` -> the global data position of its
     streams after it (module docstring)."""
@@ -302,6 +330,11 @@ class TrainBatches:
 
     def __iter__(self) -> TrainBatches:
         return self
+
+    def close(self) -> None:
+        """End the data workers now (``end_workers``): on every exit of the run, errors and interrupts included."""
+        loader, self._iter = self._iter, iter(())
+        end_workers(loader)
 
     def __next__(self) -> PackedBatch:
         if self._ended:

@@ -55,6 +55,11 @@ class RunAccounting:
         self.passes_reported = int(all_reduce(local, env, "min"))
         self.history: list[dict] = []
 
+    @property
+    def width(self) -> int:
+        """How many values ``local_values`` returns (the same on every rank)."""
+        return len(self.COUNTS) + len(self.weights) + 1
+
     def local_values(self) -> list[float]:
         """This rank's part of the step's all-reduce: the counts, then 1 if it finished the next unreported pass."""
         acc = self.batches.accounting()

@@ -104,7 +104,8 @@ def _tally_groups(
     """
     row_of = {name: i for i, name in enumerate(names)}
     for s in scored.samples:
-        assert s.index in groups, f"held-out row {s.index} has no source in eval_groups"
+        if s.index not in groups:  # built from the same held-out rows: a bug, never the data
+            raise KeyError(f"held-out row {s.index} has no source in eval_groups")
         loss = float(scored.nll[s.row, s.start : s.end].sum(dtype=torch.float64))
         tokens = int(loss_mask[s.row, s.start : s.end].sum())
         per_group[row_of[groups[s.index]]] += torch.tensor([loss, tokens, int(s.answered), 1], dtype=torch.float64)

@@ -99,6 +99,7 @@ def train(cfg: RunConfig) -> RunResult:
         final_dir, data = None, {}
         if stopped is None or stopped.checkpoint is not None:
             data = run.accounting.report(run.step, "end of the run" if stopped is None else "stopped").to_dict()
+        run.train_batches.close()  # the data workers' cores and memory are free for the export
         if stopped is None:
             with doing("exporting the final checkpoint"):
                 final_dir = export_final(

@@ -153,11 +153,13 @@ class MetricsLogger:
         return self._trackers.state() if self._trackers is not None else {}
 
     def close(self) -> None:
-        """End the progress bar and the tracker runs (TensorBoard: flush and close its event file)."""
+        """End the progress bar and the tracker runs (TensorBoard: flush and close its event file); once."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
         if self._trackers is not None:
             self._trackers.finish()
+            self._trackers = None
 
 
 def _truncate_after(path: Path, step: int) -> None:

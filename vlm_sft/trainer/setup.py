@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,31 +107,31 @@ def collective_timeout_s(train: Any) -> float:
 @contextmanager
 def running(cfg: RunConfig) -> Iterator[Run]:
     """The set-up run of this process (every rank enters this), joined to the job's process group; on the way out,
-    also after a failure, the run's tracker runs end and the process leaves the group (after a barrier only when the
-    block finished: a failed rank's peers may never reach it)."""
+    also after a failure (in the set-up too), the data workers end, the run's tracker runs end and the process leaves
+    the group (after a barrier only when the block finished: a failed rank's peers may never reach it)."""
     env = init_distributed(cfg.train.device, timeout_s=collective_timeout_s(cfg.train))
     board = FailureBoard.for_process_group(env.rank, env.world_size, attempt=elastic_restart() or 0)
     if board is not None:
         board.start()
     finished = False
-    run = None
     try:
-        run = setup(cfg, env)
-        yield run
+        with ExitStack() as opened:  # what the set-up started (data workers, metrics), ended in reverse order
+            try:
+                yield setup(cfg, env, opened)
+            except BaseException as err:  # tell the peers first (unless they know): none waits for the timeout
+                stop_peers(board, err)
+                raise
         finished = True
-    except BaseException as err:  # tell the peers (unless they know), so none waits in a collective for the timeout
-        stop_peers(board, err)
-        raise
     finally:
         if board is not None:
             board.stop()
-        if run is not None:
-            run.metrics.close()
         cleanup(env, finished=finished)
 
 
-def setup(cfg: RunConfig, env: DistEnv) -> Run:
-    """Data, model (self-checked, then sharded), optimizer and schedule, resumed state, batches and metrics."""
+def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
+    """Data, model (self-checked, then sharded), optimizer and schedule, resumed state, batches and metrics; what
+    must end with the run (the data workers, the metrics' trackers) is pushed on ``opened`` as soon as it starts, so
+    an error later in the set-up ends it too (a data worker left running kept a failed run from exiting)."""
     out_dir = Path(cfg.train.output_dir)
     torch.manual_seed(cfg.train.seed)
     with all_ranks_or_none(env, "preparing the run (config, processor, data)"):
@@ -179,16 +179,11 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
         _self_check(cfg, env, out_dir, model, renderer, sources, pad_id)
     with all_ranks_or_none(env, "starting the data pipelines and the metrics"):
         train_batches = TrainBatches(
-            pipelines,
-            layout,
-            pad_id=pad_id,
-            spatial_merge_size=model.config.vision_config.spatial_merge_size,
-            num_workers=num_workers,
-            prefetch=cfg.data.prefetch_packs,
-            state=data_state,
-            pin_memory=env.device.type == "cuda",
-            log=env.is_main,
-        )
+            pipelines, layout, pad_id=pad_id, spatial_merge_size=model.config.vision_config.spatial_merge_size,
+            num_workers=num_workers, prefetch=cfg.data.prefetch_packs, state=data_state,
+            pin_memory=env.device.type == "cuda", log=env.is_main,
+        )  # fmt: skip
+        opened.callback(train_batches.close)  # its workers start now
         eval_batches = build_eval_batches(cfg, sources, renderer, env, pad_id)
         generation = generation_prompts(cfg, sources, renderer)
         metrics = MetricsLogger(
@@ -202,6 +197,7 @@ def setup(cfg: RunConfig, env: DistEnv) -> Run:
             project=cfg.train.project,
             tracker_state=saved.extra.get("trackers") if saved is not None else None,  # continue the tracker runs
         )
+        opened.callback(metrics.close)
     weights = {e.label: e.weight for e in cfg.data.sources}
     accounting = RunAccounting(out_dir, env, train_batches, replica=mesh.cp.rank > 0, weights=weights)
     return Run(

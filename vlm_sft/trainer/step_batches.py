@@ -52,33 +52,52 @@ def next_step_batches(
     out of data. ``stop``: this rank was asked to stop (summed into ``StepBatches.stop_requests``)."""
     out: list[PackedBatch] = []
     error = None
-    try:
-        for _ in range(n):
-            out.append(next(batches))
-    except StopIteration:
-        pass
+    # As many values on a rank that fails as on its peers, so that the all-reduce matches.
+    local = torch.zeros(_COUNTS + (accounting.width if accounting is not None else 0), dtype=torch.float64)
+    try:  # the counts too: a rank that fails anywhere here still joins the all-reduce, or its peers wait in it
+        out = _draw(batches, n)
+        local = _local_counts(out, n, model, accounting, cp, stop)
     except Exception as exc:  # reported to every rank by check_peers, then re-raised here
         error = exc
-    flops = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in out)
-    data = accounting.local_values() if accounting is not None else []
-    counts = [shard_counts(b, cp) for b in out]
-    local = torch.tensor(
-        [
-            0 if len(out) == n or error else 1,
-            *(sum(c[i] for c in counts) for i in range(3)),
-            sum(b.num_images for b in out) / cp.size,
-            flops / cp.size,
-            float(stop),
-            *data,
-        ],
-        dtype=torch.float64,
-    )
     totals = check_peers(env, "loading the next batches", error, local)
     if float(totals[0]) > 0:
         return None
     trainable, real, capacity, images = (round(v) for v in totals[1:5].tolist())
     stop_requests = round(float(totals[6]))
     return StepBatches(out, trainable, real, capacity, images, float(totals[5]), totals[7:].tolist(), stop_requests)
+
+
+def _draw(batches: TrainBatches, n: int) -> list[PackedBatch]:
+    """Up to ``n`` micro-batches: fewer when this rank's data ends."""
+    out = []
+    for batch in batches:
+        out.append(batch)
+        if len(out) == n:
+            break
+    return out
+
+
+_COUNTS = 7
+"""Values of ``_local_counts`` before the data accounting's: end of data, 3 token counts, images, FLOPs, stop."""
+
+
+def _local_counts(
+    out: list[PackedBatch], n: int, model: torch.nn.Module, accounting: RunAccounting | None, cp: ContextParallel,
+    stop: bool,
+) -> torch.Tensor:  # fmt: skip
+    """This rank's part of the step's all-reduce (module docstring), ``_COUNTS`` values then the accounting's."""
+    flops = sum(batch_flops(b, model.config, vision_trainable=model.vision_trainable).train for b in out)
+    data = accounting.local_values() if accounting is not None else []
+    counts = [shard_counts(b, cp) for b in out]
+    local = [
+        0 if len(out) == n else 1,
+        *(sum(c[i] for c in counts) for i in range(3)),
+        sum(b.num_images for b in out) / cp.size,
+        flops / cp.size,
+        float(stop),
+        *data,
+    ]
+    return torch.tensor(local, dtype=torch.float64)
 
 
 def shard_counts(batch: PackedBatch, cp: ContextParallel) -> tuple[int, int, int]:
