@@ -161,41 +161,26 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``: its children, theirs, ... (torchrun's workers and their data workers too)."""
-    parent_of = {}
+def process_table() -> dict[int, tuple[int, int]]:
+    """``{pid: (parent pid, session)}`` of every live process, from one read of ``/proc`` (zombies left out)."""
+    table = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError):  # a process that ended while the folder was read
-            parent_of[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                table[int(stat.parent.name)] = (int(fields[1]), int(fields[3]))
+    return table
+
+
+def descendants(pid: int, table: dict[int, tuple[int, int]] | None = None) -> list[int]:
+    """Every process below ``pid``: its children, theirs, ... (torchrun's workers and their data workers too)."""
+    table = process_table() if table is None else table
     found, frontier = [], [pid]
     while frontier:
         below = frontier.pop()
-        children = [c for c, parent in parent_of.items() if parent == below]
+        children = [c for c, (parent, _) in table.items() if parent == below]
         found += children
         frontier += children
-    return found
-
-
-def _stat(pid: int | str) -> list[str]:
-    """``/proc/<pid>/stat``'s fields after the command name: state, ppid, pgrp, session, ..."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def session_of(pid: int) -> int | None:
-    """The session of ``pid`` (None once it ended)."""
-    try:
-        return int(_stat(pid)[3])
-    except OSError:
-        return None
-
-
-def in_sessions(sessions: set[int | None]) -> list[int]:
-    """The processes now in ``sessions``."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError):
-            if int(_stat(stat.parent.name)[3]) in sessions:
-                found.append(int(stat.parent.name))
     return found
 
 

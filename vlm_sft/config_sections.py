@@ -326,6 +326,10 @@ class TrainConfig(Section):
     bit. For Qwen3.5-35B-A3B on 8 x 80 GB (README: Big models)."""
     grad_clip: float | None = Field(1.0, gt=0)
     """Max global gradient norm; None disables clipping."""
+    max_nonfinite_steps: int = Field(3, ge=1)
+    """A step whose loss or gradient norm is NaN or inf (on any rank) is skipped: no update, counted as
+    ``nonfinite_steps`` in metrics.jsonl, its batches logged. This many skipped in a row stop the run (exit code 3,
+    naming the first bad step) before anything is saved; 1 stops at the first (``vlm_sft/trainer/nonfinite.py``)."""
     output_dir: str = "outputs/debug"
     """Run folder: metrics.jsonl, checkpoints, final/."""
     save_every: int | None = Field(None, ge=1)

@@ -10,7 +10,8 @@ exits with code 143 (a second signal exits at once); ``--train.resume latest`` c
 ``torchrun --max-restarts N ... --train.resume latest`` (``vlm_sft/trainer/preemption.py``).
 
 Exit codes, the same on every process of a run: 0 finished; 1 an error (the data, a checkpoint, a failed rank, a bug:
-its traceback); 2 a config error; 130 Ctrl-C; 143 stopped by a stop signal after its checkpoint.
+its traceback); 2 a config error; 3 diverged (``train.max_nonfinite_steps`` non-finite steps in a row,
+``vlm_sft/trainer/nonfinite.py``); 130 Ctrl-C; 143 stopped by a stop signal after its checkpoint.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from vlm_sft.parallel.dcp import UnknownMetadataClass
     from vlm_sft.trainer.dry_run import dry_run
     from vlm_sft.trainer.loop import train
+    from vlm_sft.trainer.nonfinite import DIVERGED_EXIT_CODE, DivergedError
     from vlm_sft.trainer.preemption import PREEMPTED_EXIT_CODE
     from vlm_sft.trainer.trackers import check_installed
 
@@ -90,9 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointSaveError, UnknownMetadataClass) as err:  # a full disk; a checkpoint this torch cannot read
         print(f"checkpoint error: {err}", file=sys.stderr)
         return 1
+    except DivergedError as err:  # every rank stopped at the same step; nothing was saved after it began
+        if is_main:
+            print(f"diverged: {err}", file=sys.stderr)
+        return DIVERGED_EXIT_CODE
     if result.stopped is not None:  # a stop signal: every rank exits with the code that says "resume me"
         if is_main:
-            where = result.stopped.checkpoint or "none: no step trained since the start"
+            where = result.stopped.checkpoint or "none (no step trained since the start, or one skipped as non-finite)"
             print(
                 f"stopped at step {result.stopped.step} on a stop signal; checkpoint: {where}; "
                 f"exit code {PREEMPTED_EXIT_CODE}; --train.resume latest continues the run"

@@ -19,14 +19,20 @@ A stop signal (SIGTERM, SIGUSR1; ``trainer.preemption``) on any rank rides on th
 the step it was agreed at, saves it as a periodic checkpoint and returns ``RunResult.stopped`` (the CLI exits with
 ``PREEMPTED_EXIT_CODE``). A resumed run writes where it resumed into ``metrics.jsonl`` (``{"event": "resumed"}``, with
 the elastic agent's restart count under torchrun / accelerate), after the records it kept.
+
+A step whose loss or gradient norm is not finite on any rank is not applied (``trainer.nonfinite``: every rank reads
+the same verdict from the gradient norm, before the optimizer runs; no collective is added). After
+``train.max_nonfinite_steps`` of them in a row the run stops with ``DivergedError``; nothing is saved while the last
+step was skipped.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -35,7 +41,7 @@ from vlm_sft.checkpoint.export import export_final
 from vlm_sft.checkpoint.state import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.config import RunConfig
 from vlm_sft.flops import mfu, peak_flops
-from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum
+from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum, gather_objects
 from vlm_sft.parallel.env import elastic_restart
 from vlm_sft.parallel.failure import doing, set_phase
 from vlm_sft.parallel.fsdp import clip_grad_norm_, set_gradient_sync
@@ -43,6 +49,14 @@ from vlm_sft.parallel.parallelize import context_parallel_off
 from vlm_sft.trainer.evaluate import evaluate, format_eval
 from vlm_sft.trainer.generation import evaluate_generation
 from vlm_sft.trainer.metrics import peak_memory_mb, step_breakdown
+from vlm_sft.trainer.nonfinite import (
+    DivergedError,
+    check_finite_state,
+    describe_batches,
+    log_skip,
+    poison_nonfinite,
+    suspects,
+)
 from vlm_sft.trainer.preemption import PREEMPTED_EXIT_CODE, Stopped, StopRequest, stop_signals
 from vlm_sft.trainer.router_balance import StepRouting, routing_metrics
 from vlm_sft.trainer.setup import Run, running
@@ -79,9 +93,17 @@ class StepStats:
     loss_sum: torch.Tensor
     """This rank's summed token loss (CPU float64 scalar; all-reduce it for the global loss)."""
     grad_norm: float
+    """The global gradient norm, the same on every rank (NaN when any rank's loss was not finite)."""
     sections: dict[str, float]
     routing: torch.Tensor
     """MoE runs: this rank's router sums of the step (``StepRouting.flat``, CPU); empty for a dense model."""
+    micro_losses: list[float] = field(default_factory=list)
+    """This rank's loss sum of each micro-batch (to name a non-finite one)."""
+
+    @property
+    def applied(self) -> bool:
+        """The update was applied: the gradient norm was finite (on every rank alike; ``trainer.nonfinite``)."""
+        return math.isfinite(self.grad_norm)
 
 
 # ------------------------------------------------------------------------------------------------------- a run
@@ -101,6 +123,7 @@ def train(cfg: RunConfig) -> RunResult:
             data = run.accounting.report(run.step, "end of the run" if stopped is None else "stopped").to_dict()
         run.train_batches.close()  # the data workers' cores and memory are free for the export
         if stopped is None:
+            check_finite_state(run.model, run.optimizer, run.env, run.step)
             with doing("exporting the final checkpoint"):
                 final_dir = export_final(
                     run.out_dir / "final", run.model, run.processor, run.env, cfg, source=run.weights_source
@@ -129,7 +152,7 @@ def run_steps(run: Run, stop: StopRequest | None = None) -> tuple[dict, float, i
     peak = peak_flops(env.device, run.compute_dtype)
     if run.resumed_from is not None:
         _log_resume(run)
-    start_step, stopped = run.step, None
+    start_step, stopped, save_due = run.step, None, False
     while run.step < run.total_steps:
         set_phase(f"training step {run.step + 1}")  # named to the peers if this rank fails (parallel.failure)
         run.timer.reset()
@@ -152,20 +175,29 @@ def run_steps(run: Run, stop: StopRequest | None = None) -> tuple[dict, float, i
         window["time"] += stats.sections["step_time_s"]
         window["data"] += stats.sections["data_s"]
         window["flops"] += step_batches.flops
+        if stats.applied:
+            run.guard.applied()
+        else:
+            _skipped(run, step_batches, stats)
         if run.step % cfg.train.log_every == 0 or run.step == run.total_steps:
             _log_step(run, step_batches, stats, window, peak, data_counts)
             window = _new_window()
         else:
             run.metrics.advance(1)
+        if run.guard.exhausted:  # every rank alike: the verdicts are the same
+            raise _diverged(run)
         last = run.step == run.total_steps
         stopping = step_batches.stop_requests > 0  # the same on every rank: the sum of the step's all-reduce
         if has_eval and cfg.train.eval_every and run.step % cfg.train.eval_every == 0 and not last and not stopping:
             last_eval = _evaluate(run)
         if stopping:  # one save, also at a periodic save's step or the last step (a resume then evals and exports)
-            stopped = _stopped(run, step_batches.stop_requests, _save(run))
+            stopped = _stopped(run, step_batches.stop_requests, None if run.guard.diverging else _save(run))
             break
-        if cfg.train.save_every and run.step % cfg.train.save_every == 0 and not last:
+        # A save due while the run skips non-finite steps waits for the next applied step (trainer.nonfinite).
+        save_due = save_due or bool(cfg.train.save_every and run.step % cfg.train.save_every == 0)
+        if save_due and not last and not run.guard.diverging:
             _save(run)
+            save_due = False
     if has_eval and stopped is None:
         last_eval = _evaluate(run)
     run.metrics.close()
@@ -183,6 +215,7 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
     timer.mark("data_s")
     scale = env.world_size / max(step.trainable, 1)
     loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+    micro_losses: list[torch.Tensor] = []
     balance, routing = run.balance, StepRouting()
     prepass = balance is not None and balance.trains and len(step.batches) > 1
     batches = [b.to(env.device) for b in step.batches] if prepass else step.batches  # copied once, used twice
@@ -198,17 +231,21 @@ def train_step(run: Run, step: StepBatches) -> StepStats:
             routing.add(out.router)
             if balance.trains:
                 loss = loss + balance.aux_term(out.router, step_counts, step.real, env)
-        loss.backward()
+        poison_nonfinite(loss).backward()  # a non-finite loss turns every rank's gradient norm NaN (trainer.nonfinite)
         timer.mark("backward_s")
-        loss_sum += out.loss_sum.detach()
+        micro_losses.append(out.loss_sum.detach().double())
+        loss_sum += micro_losses[-1]
     grad_norm = _clip(model, run.cfg.train.grad_clip)
-    run.optimizer.step()
-    run.scheduler.step()
+    m = len(micro_losses)
+    flat = torch.cat([torch.stack([loss_sum, grad_norm.double(), *micro_losses]), routing.flat().to(env.device)])
+    flat = flat.cpu()  # the step's one read of the device, before the update: the same verdict on every rank
+    stats = StepStats(flat[0], float(flat[1]), {}, flat[2 + m :], flat[2 : 2 + m].tolist())
+    if stats.applied:
+        run.optimizer.step()
+        run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    flat = torch.cat([torch.stack([loss_sum, grad_norm.double()]), routing.flat().to(env.device)])
-    flat = flat.cpu()  # the step's one read of the device
     timer.mark("optimizer_s")
-    return StepStats(flat[0], float(flat[1]), step_breakdown(timer.reset()), flat[2:])
+    return replace(stats, sections=step_breakdown(timer.reset()))
 
 
 def _log_step(
@@ -239,6 +276,7 @@ def _log_step(
         "flops_per_step": step.flops,
         "tflops": window["flops"] / max(window["time"], 1e-9) / 1e12,
         "mfu": mfu(window["flops"], window["time"], peak, run.env.world_size),
+        "nonfinite_steps": run.guard.total,
     }
     with all_ranks_or_none(run.env, "writing the metrics"):
         run.metrics.advance(1, loss=loss, lr=lr, tok_s=step.real / max(stats.sections["step_time_s"], 1e-9))
@@ -251,6 +289,31 @@ def _clip(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
     if not params:
         return torch.zeros((), device=next(model.parameters()).device)
     return clip_grad_norm_(params, max_norm)
+
+
+def _skipped(run: Run, step: StepBatches, stats: StepStats) -> None:
+    """Count a step that was not applied; what every rank's micro-batches held goes to ``metrics.jsonl`` and rank 0's
+    log (one gather: every rank skipped the same step)."""
+    run.guard.skipped(run.step)
+    mine = describe_batches(step.batches, stats.micro_losses, run.env.rank, run.guard.sources)
+    suspect = suspects([b for part in gather_objects(mine, run.env) for b in part])
+    record = {
+        "step": run.step, "event": "nonfinite_step", "grad_norm": stats.grad_norm, "consecutive": len(run.guard.streak),
+        "nonfinite_steps": run.guard.total, "batches": suspect,
+    }  # fmt: skip
+    with all_ranks_or_none(run.env, "writing the skipped step to the metrics"):
+        run.metrics.log(record)
+        if run.env.is_main:
+            log_skip(run.step, run.guard, stats.grad_norm, suspect)
+
+
+def _diverged(run: Run) -> DivergedError:
+    """The stop after ``train.max_nonfinite_steps`` skips in a row, recorded in ``metrics.jsonl``."""
+    error = run.guard.error(run.cfg.train.lr)
+    record = {"step": run.step, "event": "diverged", "first_nonfinite_step": error.first_step}
+    with all_ranks_or_none(run.env, "writing the divergence to the metrics"):
+        run.metrics.log(record | {"nonfinite_steps": run.guard.total})
+    return error
 
 
 # ------------------------------------------------------------------------------------------ eval and saving
@@ -282,6 +345,7 @@ def _save(run: Run) -> Path:
     """A resumable checkpoint with an HF export of the same weights inside it (``checkpoints/step-N/hf``; for LoRA
     runs the adapter only: the merged full weights are written once, to ``final/``)."""
     set_phase(f"saving the checkpoint of step {run.step}")
+    check_finite_state(run.model, run.optimizer, run.env, run.step)  # a non-finite tensor is never written
     state = TrainerState(
         step=run.step,
         scheduler=run.scheduler.state_dict(),
@@ -290,6 +354,7 @@ def _save(run: Run) -> Path:
         extra={
             "base": getattr(run.model, "base_fingerprint", None),  # LoRA: the frozen base the adapters sit on
             "trackers": run.metrics.tracker_state(),  # rank 0's (the rank that writes this): what a resume continues
+            "nonfinite_steps": run.guard.total,
         },
     )
     return save_checkpoint(
@@ -310,13 +375,16 @@ def _save(run: Run) -> Path:
 
 
 def _stopped(run: Run, requests: int, checkpoint: Path | None) -> Stopped:
-    """Log the stop (``metrics.jsonl`` and rank 0's log); every rank calls this at the same step."""
+    """Log the stop (``metrics.jsonl`` and rank 0's log); every rank calls this at the same step. No ``checkpoint``:
+    no step trained since the start, or the last step was skipped as non-finite (nothing is saved then)."""
     record = {"step": run.step, "event": "preempted", "signalled_ranks": requests}
     record["checkpoint"] = None if checkpoint is None else str(checkpoint)
     with all_ranks_or_none(run.env, "writing the stop to the metrics"):
         run.metrics.log(record)
     if run.env.is_main:
         saved = f"saved {checkpoint}" if checkpoint else "no step trained since the start, nothing new to save"
+        if checkpoint is None and run.guard.diverging:
+            saved = f"nothing saved: step {run.step} was skipped as non-finite (no checkpoint while diverging)"
         logger.warning(
             "stopped at step %d on a stop signal (%d of %d rank(s) got one): %s; exiting with code %d; "
             "--train.resume latest continues the run",

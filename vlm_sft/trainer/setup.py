@@ -46,6 +46,7 @@ from vlm_sft.trainer.data_accounting import RunAccounting
 from vlm_sft.trainer.evaluate import build_eval_batches
 from vlm_sft.trainer.generation import GenerationPrompt, generation_prompts
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer
+from vlm_sft.trainer.nonfinite import NonFiniteGuard
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler
 from vlm_sft.trainer.router_balance import RouterBalance
 
@@ -83,6 +84,8 @@ class Run:
     """Held-out prompts every eval answers by generation (``train.eval_generate``; the same on every rank)."""
     resumed_from: Path | None = None
     """The checkpoint the run resumed from (None: a fresh start)."""
+    guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(3))
+    """Non-finite steps skipped and the run of them (``trainer.nonfinite``; ``train.max_nonfinite_steps``)."""
     timer: StepTimer = field(init=False)
     vision_timer: ModuleTimer = field(init=False)
 
@@ -203,8 +206,15 @@ def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
         metrics, total_steps, step, compute_dtype, balance, mesh.cp, build.weights_source(cfg), generation,
-        resumed_from=resume_from,
+        resumed_from=resume_from, guard=_guard(cfg, sources, saved),
     )  # fmt: skip
+
+
+def _guard(cfg: RunConfig, sources: data_build.DataSources, saved) -> NonFiniteGuard:
+    """The non-finite guard, continuing a resumed run's count; it names a mixture's sources in its reports."""
+    mixture = [p.name for p in sources.train.parts] if isinstance(sources.train, data_build.MixedSources) else []
+    skipped = int(saved.extra.get("nonfinite_steps", 0)) if saved is not None else 0
+    return NonFiniteGuard(cfg.train.max_nonfinite_steps, skipped, sources=tuple(mixture))
 
 
 def _prepare(cfg: RunConfig, env: DistEnv, out_dir: Path) -> tuple[Any, Any]:
