@@ -255,11 +255,17 @@ class Qwen3_5Renderer:
         return self._special_re.sub(lambda m: _MARK_OPEN + m.group(0) + _MARK_CLOSE, text)
 
     def _template(
-        self, conversation: Sequence[Message], tools: list[dict] | None, *, generation_prompt: bool = False
+        self,
+        conversation: Sequence[Message],
+        tools: list[dict] | None,
+        *,
+        generation_prompt: bool = False,
+        thinking: bool | None = None,
     ) -> tuple[str, list[list[int]]]:
         """The template's text and its assistant spans; ``generation_prompt`` renders a server's prompt (the run's
-        thinking mode passed explicitly, so it never depends on the template's default)."""
-        flags = {"add_generation_prompt": True, THINKING_VARIABLE: self.enable_thinking} if generation_prompt else {}
+        thinking mode, or ``thinking``, passed explicitly, so it never depends on the template's default)."""
+        mode = self.enable_thinking if thinking is None else thinking
+        flags = {"add_generation_prompt": True, THINKING_VARIABLE: mode} if generation_prompt else {}
         try:
             rendered, spans = render_jinja_template(
                 conversations=[[to_template_message(m) for m in conversation]],
@@ -348,14 +354,20 @@ class Qwen3_5Renderer:
         return sample
 
     def render_prompt(
-        self, messages: Sequence[Mapping], *, tools: Sequence[Mapping] | str | None = None, sample_index: int = -1
+        self,
+        messages: Sequence[Mapping],
+        *,
+        tools: Sequence[Mapping] | str | None = None,
+        sample_index: int = -1,
+        thinking: bool | None = None,
     ) -> RenderedSample:
         """A server's generation prompt for ``messages`` (a conversation that ends before the reply to generate):
-        the template with ``add_generation_prompt`` in the run's thinking mode, tokenized as one string, images
-        expanded; the loss mask is all False. ``metadata["text"]`` holds the prompt text."""
+        the template with ``add_generation_prompt`` in the run's thinking mode (or ``thinking``, a caller's explicit
+        one), tokenized as one string, images expanded; the loss mask is all False. ``metadata["text"]`` holds the
+        prompt text."""
         try:
             conversation, tools_, found = self._prepare(messages, tools, prompt=True)
-            text, _ = self._template(conversation, tools_, generation_prompt=True)
+            text, _ = self._template(conversation, tools_, generation_prompt=True, thinking=thinking)
             ids, _ = self._tokenize(text)
             sample = self._with_images(conversation, ids, np.zeros(len(ids), dtype=bool), sample_index, found)
         except RenderError as e:

@@ -47,7 +47,7 @@ from vlm_sft.config_sections import (
     TrainConfig,
     VLMConfig,
 )
-from vlm_sft.config_sources import source_name
+from vlm_sft.config_sources import METRICS, RowFormat, Scoring, source_name
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -56,6 +56,7 @@ __all__ = [
     "LORA_SAVE_MODULES",
     "LORA_TEXT_TARGETS",
     "LORA_VISION_NAMES",
+    "METRICS",
     "ONE_SETTING_TWO_UNITS",
     "REPO_ROOT",
     "SHAPES_DATASET",
@@ -66,7 +67,9 @@ __all__ = [
     "DataConfig",
     "LoraSettings",
     "ModelConfig",
+    "RowFormat",
     "RunConfig",
+    "Scoring",
     "ShapesConfig",
     "SourceConfig",
     "TrainConfig",

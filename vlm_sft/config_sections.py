@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from vlm_sft.config_base import ConfigError, Section
-from vlm_sft.config_sources import RowFormat, SourceConfig, check_source_names
+from vlm_sft.config_sources import RowFormat, Scoring, SourceConfig, check_source_names
 
 TINY_MODEL = "tiny"
 """``model.name_or_path`` value that builds the offline tiny Qwen3.5 preset instead of loading a checkpoint."""
@@ -146,7 +146,7 @@ class ShapesConfig(Section):
     """Folder under which the dataset is materialized (a subfolder per seed and size)."""
 
 
-class DataConfig(RowFormat):
+class DataConfig(RowFormat, Scoring):
     """The data of a run. The fields it shares with every ``[[data.sources]]`` table (``format`` and the column / key
     / role mapping) apply to ``source`` and ``eval_source`` (``subset`` to ``eval_source`` when it names the same
     dataset, e.g. its ``test`` split); a mixture sets them per table."""
@@ -240,9 +240,14 @@ class DataConfig(RowFormat):
                     f"[[data.{field}]] table per source"
                 )
             check_source_names(field, tables)
-        changed = [
-            name for name in RowFormat.model_fields if getattr(self, name) != RowFormat.model_fields[name].default
-        ]
+        scored = [s.label for s in self.sources if s.metric is not None]
+        if scored:
+            raise ConfigError(
+                f"[[data.sources]] {scored[0]!r} sets metric: scores are of held-out data; give it a "
+                "[[data.eval_sources]] table of its own"
+            )
+        fields = {**RowFormat.model_fields, **Scoring.model_fields}
+        changed = [name for name, f in fields.items() if getattr(self, name) != f.default]
         if changed and (self.sources or self.eval_sources):
             raise ConfigError(
                 f"data.{changed[0]} is set beside [[data.sources]] / [[data.eval_sources]] tables, where it would "

@@ -73,7 +73,29 @@ class RowFormat(Section):
         return RowFormat(**{name: getattr(self, name) for name in RowFormat.model_fields})
 
 
-class SourceConfig(RowFormat):
+METRICS = ("exact_match", "anls", "relaxed_accuracy", "vqa_accuracy", "multiple_choice")
+"""The scores a held-out source can be judged by (``vlm_sft/trainer/benchmark_metrics.py`` defines each)."""
+
+
+class Scoring(Section):
+    """How a held-out source is scored by generation, as its benchmark scores it. Shared by ``[[data.eval_sources]]``
+    tables and ``[data]`` (for ``eval_source``)."""
+
+    metric: Literal["exact_match", "anls", "relaxed_accuracy", "vqa_accuracy", "multiple_choice"] | None = None
+    """Score each held-out reply the model generates: ``anls`` (DocVQA / InfoVQA), ``relaxed_accuracy`` (ChartQA),
+    ``vqa_accuracy`` (VQAv2 / TextVQA), ``multiple_choice`` (AI2D / MMMU / MMBench / ScienceQA), ``exact_match``;
+    logged as ``eval_score/<name>`` at every eval, and by ``python -m vlm_sft.evaluate``. None: not scored (its
+    loss, teacher-forced accuracy and the ``train.eval_generate`` replies only)."""
+    max_new_tokens: int | None = Field(None, ge=1)
+    """Longest scored reply in tokens; None: ``train.eval_generate_max_tokens``."""
+    max_scored: int | None = Field(None, ge=1)
+    """Rows scored at each eval (the first ones, in the source's order); None: every row."""
+    thinking: bool | None = None
+    """The thinking mode the source is asked in (a thinking reply is scored on its answer after the think block; one
+    cut off inside it scores 0 and counts as unparsed); None: ``data.enable_thinking``."""
+
+
+class SourceConfig(RowFormat, Scoring):
     """One source of a mixture (``[[data.sources]]``, or ``[[data.eval_sources]]`` for held-out data)."""
 
     source: str = Field(min_length=1)

@@ -24,7 +24,7 @@ from renderers import (
     served_probes,
 )
 from renderers.served import default_thinking_mode, last_reply_reasons, with_thinking_default
-from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, ConfigError, RunConfig, SourceConfig
+from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, ConfigError, RowFormat, RunConfig, Scoring, SourceConfig
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.mixture import ConcatSource, Mixture, MixturePart
 from vlm_sft.data.pipeline import IndexOrder, PackingPipeline
@@ -300,9 +300,10 @@ def _open(
 
 
 def one_source_table(cfg: RunConfig, source: str, name: str, **update: Any) -> SourceConfig:
-    """``data.source`` / ``data.eval_source`` as the one table of a mixture, with ``[data]``'s mapping, and its subset
-    where ``source`` is ``data.source`` itself (held-out rows in another file have no subset of their own)."""
-    settings = cfg.data.row_format().model_dump()
+    """``data.source`` / ``data.eval_source`` as the one table of a mixture, with ``[data]``'s mapping and scoring,
+    and its subset where ``source`` is ``data.source`` itself (held-out rows in another file have no subset of their
+    own)."""
+    settings = cfg.data.model_dump(include={*RowFormat.model_fields, *Scoring.model_fields})
     if source != cfg.data.source:
         settings["subset"] = None
     return SourceConfig(source=source, name=name, **settings, **update)

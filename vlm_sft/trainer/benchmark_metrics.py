@@ -24,10 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vlm_sft.config import METRICS
 from vlm_sft.data.options import option_letters
-
-METRICS = ("exact_match", "anls", "relaxed_accuracy", "vqa_accuracy", "multiple_choice")
-"""The metric names ``score_reply`` takes."""
 
 SHORT_ANSWER = "Answer the question using a single word or phrase."
 """lmms-eval's default ``post_prompt`` for DocVQA, InfoVQA, ChartQA, TextVQA and VQAv2 (their task YAMLs)."""
