@@ -208,6 +208,8 @@ class DataSources:
     """Held-out row index -> task name (``task`` column), for per-task accuracy; empty when absent."""
     eval_groups: dict[int, str] = dataclasses.field(default_factory=dict)
     """Held-out row index -> source name with ``[[data.eval_sources]]`` (scored per source); empty otherwise."""
+    scored: tuple[tuple[SourceConfig, ConversationSource], ...] = ()
+    """The held-out sources that set a ``metric``, each with its table (``trainer.scored_eval``)."""
 
     @property
     def train_rows(self) -> int | None:
@@ -239,25 +241,40 @@ def load_sources(cfg: RunConfig) -> DataSources:
         _log_mixture(train)
     else:
         train = _open(cfg, one_source_table(cfg, d.source, "train"), shapes)
+    tables = held_out_tables(cfg)
+    parts = [(table, _open(cfg, table, shapes, held_out=True)) for table in tables]
     if d.eval_sources:
-        parts = [
-            (e.label, _open(cfg, e.model_copy(update={"streaming": False}), shapes, held_out=True))
-            for e in d.eval_sources
-        ]
-        held = ConcatSource(parts)
-    elif d.eval_source is not None or (d.source == SHAPES_DATASET and not d.sources and d.shapes.num_eval):
-        entry = one_source_table(cfg, d.eval_source or SHAPES_DATASET, "eval", streaming=False)
-        held = _open(cfg, entry, shapes, held_out=True)
+        held = ConcatSource([(table.label, source) for table, source in parts])
     else:
-        held = None
+        held = parts[0][1] if parts else None
     task_column = held.column("task") if held is not None else None
     tasks = {i: str(t) for i, t in enumerate(task_column or []) if t is not None}
     groups = {i: held.source_of(i)[0] for i in range(len(held))} if isinstance(held, ConcatSource) else {}
-    sources = DataSources(train=train, eval=held, eval_tasks=tasks, eval_groups=groups)
+    scored = tuple((table, source) for table, source in parts if table.metric is not None)
+    sources = DataSources(train=train, eval=held, eval_tasks=tasks, eval_groups=groups, scored=scored)
     rows = "streamed" if sources.train_rows is None else str(sources.train_rows)
     where = "a mixture of " + ", ".join(p.name for p in train.parts) if isinstance(train, MixedSources) else d.source
     logger.info("data: %s training rows from %s, %d held-out", rows, where, len(held) if held else 0)
     return sources
+
+
+def held_out_tables(cfg: RunConfig) -> list[SourceConfig]:
+    """The held-out sources of the config as tables (never streamed): each ``[[data.eval_sources]]`` table, or
+    ``data.eval_source`` (the shapes dataset's eval split when it trains on shapes) with ``[data]``'s settings."""
+    d = cfg.data
+    if d.eval_sources:
+        return [e.model_copy(update={"streaming": False}) for e in d.eval_sources]
+    if d.eval_source is not None or (d.source == SHAPES_DATASET and not d.sources and d.shapes.num_eval):
+        return [one_source_table(cfg, d.eval_source or SHAPES_DATASET, "eval", streaming=False)]
+    if d.metric is not None:
+        raise ConfigError("data.metric is set but the run has no held-out data: set data.eval_source")
+    return []
+
+
+def open_held_out(cfg: RunConfig, table: SourceConfig) -> ConversationSource:
+    """One held-out source (``vlm_sft.evaluate`` opens the tables it scores; shapes written first if needed)."""
+    shapes = materialize_data(cfg, progress=False) if table.source == SHAPES_DATASET else None
+    return _open(cfg, table, shapes, held_out=True)
 
 
 def _open(

@@ -230,6 +230,12 @@ def generate(
     return replies
 
 
+def stop_token_ids(tokenizer: Any) -> list[int]:
+    """The ids of ``STOP_TOKENS`` this tokenizer has."""
+    ids = tokenizer.convert_tokens_to_ids(list(STOP_TOKENS))
+    return [i for i in ids if i is not None and i >= 0 and i != tokenizer.unk_token_id]
+
+
 def reply_text(tokenizer: Any, tokens: Sequence[int]) -> str:
     """The reply as a server returns its content: decoded without special tokens, any reasoning (through the last
     ``</think>``) left out, whitespace stripped."""
@@ -265,8 +271,7 @@ def evaluate_generation(
     rank (they fix the layout of the reduced tallies)."""
     start = time.perf_counter()
     mine = list(prompts[env.rank :: env.world_size])
-    ids = tokenizer.convert_tokens_to_ids(list(STOP_TOKENS))
-    stop_ids = [i for i in ids if i is not None and i >= 0 and i != tokenizer.unk_token_id]
+    stop_ids = stop_token_ids(tokenizer)
     tokens = generate(
         model, [p.sample for p in mine], env, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
         token_budget=token_budget,
