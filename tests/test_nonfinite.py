@@ -126,7 +126,7 @@ def test_the_guard_counts_a_run_of_skips_and_names_its_first_step():
     error = guard.error(lr=1e6)
     assert error.first_step == 10 and agreed(error)  # every rank raises it: the failure board stays quiet
     assert "steps 10, 11, 12" in str(error) and "first at step 10" in str(error) and "after step 9" in str(error)
-    assert "train.lr (now 1e+06)" in str(error)
+    assert "train.lr (now 1e+06; a resume takes the new value)" in str(error)
 
 
 def test_the_state_check_refuses_a_non_finite_weight_or_moment():
@@ -154,3 +154,32 @@ def test_the_report_names_the_rows_of_the_bad_micro_batch_and_their_source():
     mixed = describe_batches([batch], [2.0], rank=0, sources=("chat", "ocr"))
     assert mixed[0]["rows"] == [[("chat", "ocr")[i % 2], i // 2] for i in rows]
     assert suspects(mixed) == mixed  # every loss finite: the gradients overflowed, every micro-batch is a suspect
+
+
+def test_a_resume_with_a_lowered_lr_trains_at_it():
+    """The fix a divergence asks for: resume with a lower ``train.lr``. The checkpoint's optimizer groups and schedule
+    hold the old peak; the resumed run must take the new one, the schedule's position kept."""
+    from vlm_sft.trainer.optim import follow_configured_lr, lr_factor
+
+    def built(lr: float):
+        model = torch.nn.Linear(2, 2)
+        cfg = TrainConfig(lr=lr, warmup_steps=2, schedule="cosine", optimizer_impl="foreach")
+        optimizer = build_optimizer(model, cfg)
+        return model, optimizer, build_scheduler(optimizer, cfg, total_steps=10)
+
+    model, optimizer, scheduler = built(1e-2)
+    for _ in range(3):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    _, resumed, schedule = built(1e-3)
+    resumed.load_state_dict(optimizer.state_dict())  # what a resume restores (checkpoint.state._restore_groups)
+    schedule.load_state_dict(scheduler.state_dict())
+    factor = lr_factor(3, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert resumed.param_groups[0]["lr"] == pytest.approx(1e-2 * factor)  # the checkpoint's peak, silently
+    follow_configured_lr(1e-3, resumed, schedule)
+    assert [g["lr"] for g in resumed.param_groups] == pytest.approx([1e-3 * factor] * 2)
+    resumed.step()
+    schedule.step()
+    next_factor = lr_factor(4, warmup_steps=2, total_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert [g["lr"] for g in resumed.param_groups] == pytest.approx([1e-3 * next_factor] * 2)

@@ -210,7 +210,8 @@ def _new_window() -> dict[str, float]:
 
 
 def train_step(run: Run, step: StepBatches) -> StepStats:
-    """Forward and backward of every micro-batch (gradients reduced after the last), clip, AdamW, schedule."""
+    """Forward and backward of every micro-batch (gradients reduced after the last), clip; AdamW and the schedule only
+    when the gradient norm is finite (``trainer.nonfinite``: the same verdict on every rank)."""
     model, env, timer = run.model, run.env, run.timer
     timer.mark("data_s")
     scale = env.world_size / max(step.trainable, 1)

@@ -96,7 +96,7 @@ class NonFiniteGuard:
             f"the loss or gradient norm was not finite at steps {steps} ({len(self.streak)} in a row = "
             f"train.max_nonfinite_steps), first at step {self.streak[0]}; none of these updates was applied and no "
             f"checkpoint was written after step {self.streak[0] - 1}. The skipped batches are in metrics.jsonl "
-            f"(event nonfinite_step); lower train.lr (now {lr:g}) or set train.grad_clip, then resume with "
+            f"(event nonfinite_step); lower train.lr (now {lr:g}; a resume takes the new value) and resume with "
             "--train.resume latest (the newest checkpoint is from before the divergence)",
             self.streak[0],
         )
@@ -146,8 +146,7 @@ def check_finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     if float(all_reduce(torch.tensor([float(bad)]), env, "max")[0]) > 0:
         raise DivergedError(
             f"the weights or the optimizer state hold a non-finite value after step {step} (its loss and gradient "
-            "norm were finite): nothing was saved; lower train.lr or set train.grad_clip, then resume with "
-            "--train.resume latest",
+            "norm were finite): nothing was saved; lower train.lr and resume with --train.resume latest",
             step,
         )
 

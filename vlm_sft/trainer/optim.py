@@ -141,6 +141,28 @@ def resolve_warmup_steps(cfg: TrainConfig, total_steps: int) -> int:
     return steps
 
 
+def follow_configured_lr(lr: float, optimizer: torch.optim.Optimizer, scheduler, *, log: bool = False) -> None:
+    """After a resume: the schedule's peak is ``train.lr`` as configured now, not the checkpoint's.
+
+    Loading a checkpoint restores the optimizer's groups and the schedule's ``base_lrs`` with the peak the run was
+    started with, so a resume with a lowered ``train.lr`` (the fix for a run that diverged) trained on at the old one,
+    silently. The schedule keeps its position and shape (built from this run's config); only its peak is replaced,
+    with a warning naming both."""
+    saved = list(scheduler.base_lrs)
+    if all(base == lr for base in saved):
+        return
+    scheduler.base_lrs = [lr] * len(saved)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    if log:
+        logger.warning(
+            "train.lr = %g, the checkpoint's was %g: the schedule goes on from step %d with the new peak (lr now %g)",
+            lr, saved[0], scheduler.last_epoch, optimizer.param_groups[0]["lr"],
+        )  # fmt: skip
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, total_steps: int):
     """Warmup (``resolve_warmup_steps``) then ``cfg.schedule`` over ``total_steps`` optimizer steps."""
     warmup = resolve_warmup_steps(cfg, total_steps)

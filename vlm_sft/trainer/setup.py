@@ -47,7 +47,7 @@ from vlm_sft.trainer.evaluate import build_eval_batches
 from vlm_sft.trainer.generation import GenerationPrompt, generation_prompts
 from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer
 from vlm_sft.trainer.nonfinite import NonFiniteGuard
-from vlm_sft.trainer.optim import build_optimizer, build_scheduler
+from vlm_sft.trainer.optim import build_optimizer, build_scheduler, follow_configured_lr
 from vlm_sft.trainer.router_balance import RouterBalance
 
 logger = logging.getLogger(__name__)
@@ -269,5 +269,6 @@ def _resume(
             )
     state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env, trainable_only=lora)
     scheduler.load_state_dict(state.scheduler)
+    follow_configured_lr(cfg.train.lr, optimizer, scheduler, log=env.is_main)
     restore_rng(state.rng)
     return state.step, state.data
