@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,16 +41,23 @@ EXIT_WITHIN_S = 30.0
 """An error exit ends within this many seconds of its message (the data workers get 5 s, then are killed)."""
 
 
+SLOTS = 3
+"""Training processes running at once (a 2-process run takes 2): more only make each slower on 2 cores (measured: 6
+runs at once took longer than 3 slots)."""
+
+
 @dataclass
 class Watched:
-    """A background run, its message, and what the watch saw."""
+    """A background run (started when a slot is free), its message, and what the watch saw."""
 
-    run: Background
+    start: Callable[[], Background]
+    procs: int
     tmp: Path
     message: str
     """A line of the run's stderr that starts its exit (the error, or ``step 2/`` for the SIGINT run)."""
     interrupt: bool = False
     """Send SIGINT to the training process once ``message`` appears."""
+    run: Background | None = None
     pids: set[int] = field(default_factory=set)
     """Every process seen below the run."""
     sessions: set[int] = field(default_factory=set)
@@ -68,39 +76,46 @@ def _broken_images(tmp: Path, rows: int = 64) -> Path:
     folder = shapes["train"].parent
     (folder / "broken.png").write_bytes(b"not a png at all")
     lines = [line for line in shapes["train"].read_text().splitlines() if '"image": "' in line]
-    (folder / "broken.jsonl").write_text(
-        "".join(re.sub(r'"image": "[^"]+"', '"image": "broken.png"', line) + "\n" for line in lines)
-    )
+    broken = (re.sub(r'"image": "[^"]+"', '"image": "broken.png"', line) for line in lines)
+    (folder / "broken.jsonl").write_text("".join(f"{line}\n" for line in broken))
     return folder / "broken.jsonl"
 
 
-def _start(tmp_path_factory) -> dict[str, Watched]:
+def _plan(tmp_path_factory) -> dict[str, Watched]:
+    """The runs, the 2-process ones first (the longest)."""
     runs: dict[str, Watched] = {}
 
-    def start(name: str, message: str, nproc: int = 1, fault: str = "", interrupt: bool = False, **args):
+    def plan(name: str, message: str, nproc: int = 1, fault: str = "", interrupt: bool = False, **args):
         tmp = tmp_path_factory.mktemp(name)
-        run = Background(tiny_run_args(tmp, **args), nproc=nproc, script=FAULT_RUN, env={"VLM_SFT_FAULT": fault})
-        runs[name] = Watched(run, tmp, message, interrupt)
+        args, env = tiny_run_args(tmp, **args), {"VLM_SFT_FAULT": fault}
+        runs[name] = Watched(
+            lambda: Background(args, nproc=nproc, script=FAULT_RUN, env=env), nproc, tmp, message, interrupt
+        )
 
     broken = str(_broken_images(tmp_path_factory.mktemp("data")))
     skips = {"data.source": broken, "train.max_steps": 50}
-    start("skips_1x1", "data error:", **skips, **{"data.num_workers": 1})
-    start("skips_2x2", "data error:", nproc=2, **skips, **{"data.num_workers": 2})
-    start("config", "config error:", fault="config_error", **{"data.num_workers": 2})
-    start("sigint", "step 2/", interrupt=True, **{"train.max_steps": 200, "data.num_workers": 1})
-    start("diverge", "diverged:", **{"train.lr": 1e6, "train.max_steps": 12, "train.save_every": 1,
-                                     "train.keep_last": 20, "data.num_workers": 1})  # fmt: skip
-    start("inf_rank1", "step 2 not applied", nproc=2, fault="inf_loss:2:1", **{"train.save_every": 1})
+    plan("inf_rank1", "step 2 not applied", nproc=2, fault="inf_loss:2:1", **{"train.save_every": 1})
+    plan("skips_2x2", "data error:", nproc=2, **skips, **{"data.num_workers": 2})
+    plan("diverge", "diverged:", **{"train.lr": 1e6, "train.max_steps": 12, "train.save_every": 1,
+                                    "train.keep_last": 20, "data.num_workers": 1})  # fmt: skip
+    plan("sigint", "step 2/", interrupt=True, **{"train.max_steps": 200, "data.num_workers": 1})
+    plan("config", "config error:", fault="config_error", **{"data.num_workers": 2})
+    plan("skips_1x1", "data error:", **skips, **{"data.num_workers": 1})
     return runs
 
 
 def _watch(runs: dict[str, Watched], timeout: float = 240.0) -> None:
-    """Poll every run until all ended: the processes below each, when its message appeared, when it exited."""
+    """Start runs as slots free up, and poll each until all ended: the processes below it, when its message appeared,
+    when it exited."""
     deadline = time.monotonic() + timeout
     while any(w.code is None for w in runs.values()) and time.monotonic() < deadline:
+        busy = sum(w.procs for w in runs.values() if w.run is not None and w.code is None)
+        for w in runs.values():
+            if w.run is None and busy + w.procs <= SLOTS:
+                w.run, busy = w.start(), busy + w.procs
         table = process_table()
         for w in runs.values():
-            if w.code is not None:
+            if w.run is None or w.code is not None:
                 continue
             w.pids.update(descendants(w.run.proc.pid, table))
             w.sessions.update(table[pid][1] for pid in [w.run.proc.pid, *w.pids] if pid in table)
@@ -116,13 +131,14 @@ def _watch(runs: dict[str, Watched], timeout: float = 240.0) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Watched]:
-    started = _start(tmp_path_factory)
+    planned = _plan(tmp_path_factory)
     try:
-        _watch(started)
+        _watch(planned)
     finally:
-        for w in started.values():
-            w.run.kill()  # the ones that hung
-    return started
+        for w in planned.values():
+            if w.run is not None:
+                w.run.kill()  # the ones that hung
+    return planned
 
 
 def _check_exit(w: Watched, code: int) -> None:
