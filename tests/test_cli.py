@@ -28,7 +28,9 @@ def _help(*entry: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(
-    "entry", [("vlm_sft/train.py",), ("-m", "vlm_sft.report"), ("-m", "vlm_sft.check_packing")], ids=str
+    "entry",
+    [("vlm_sft/train.py",), ("-m", "vlm_sft.report"), ("-m", "vlm_sft.check_packing"), ("-m", "vlm_sft.evaluate")],
+    ids=str,
 )
 def test_help_lists_every_config_field_and_exits_0(entry):
     proc = _help(*entry)

@@ -36,12 +36,15 @@ RUN = {
     "train.eval_generate": 12,
     "train.eval_generate_max_tokens": 16,
     "model.initializer_range": 0.08,
+    "data.metric": "exact_match",  # the held-out source is scored too (eval_score/eval, trainer.scored_eval)
+    "data.max_scored": 12,
 }
 
 
-def _samples(run: Path, step: int) -> dict[int, dict]:
+def _samples(run: Path, step: int, *, scored: bool = False) -> dict[int, dict]:
+    """The eval's generated replies at ``step`` (``scored``: the scored source's rows instead), by row."""
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    return {r["index"]: r for r in rows if r["step"] == step}
+    return {r["index"]: r for r in rows if r["step"] == step and ("score" in r) == scored}
 
 
 def _transformers_replies(final: Path, data: Path, out: Path, *extra: str) -> dict[int, dict]:
@@ -221,6 +224,12 @@ def test_two_ranks_generate_what_one_rank_generates(runs, name):
         ]
 
     assert generated(one) == generated(two) and generated(one)[-1]
+    scored_one, scored_two = _samples(one, STEPS, scored=True), _samples(two, STEPS, scored=True)
+    assert len(scored_one) == RUN["data.max_scored"]
+    assert [r["prediction"] for r in scored_one.values()] == [r["prediction"] for r in scored_two.values()]
+    assert [r["eval_score/eval"] for r in read_metrics(one) if "eval_loss" in r] == [
+        r["eval_score/eval"] for r in read_metrics(two) if "eval_loss" in r
+    ]
 
 
 @pytest.mark.slow
@@ -259,3 +268,45 @@ def test_default_run_answers_colours_when_served_either_way(tmp_path):
     last = max(r["step"] for r in map(json.loads, (out / "samples.jsonl").read_text().splitlines()))
     colour = [r["correct"] for r in _samples(out, last).values() if r["task"] == "colour"]
     assert colour and sum(colour) >= 0.9 * len(colour)
+
+
+def _evaluate_cli(run: Path, out: Path, *extra: str, nproc: int = 1) -> tuple[dict, list[dict]]:
+    """``python -m vlm_sft.evaluate`` on the run's ``final/`` over the run's own scored held-out source."""
+    config = json.loads((run / "config.json").read_text())
+    shapes = config["data"]["shapes"]
+    overrides = {
+        "data.shapes.root": shapes["root"], "data.shapes.num_train": shapes["num_train"],
+        "data.shapes.num_eval": shapes["num_eval"], "data.metric": "exact_match",
+        "data.max_scored": RUN["data.max_scored"], "data.pack_len": RUN["data.pack_len"],
+        "train.eval_generate_max_tokens": RUN["train.eval_generate_max_tokens"],
+    }  # fmt: skip
+    args = [str(run / "final"), "--output-dir", str(out), *extra]
+    args += [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
+    if nproc == 1:  # in this process: the imports are paid once
+        from vlm_sft.evaluate import main
+
+        assert main(args) == 0
+    else:
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+             "vlm_sft.evaluate", *args],
+            cwd=REPO_ROOT, env=launch_env(), check=True, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    scores = json.loads((out / "scores.json").read_text())
+    return scores, [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_evaluate_cli_on_final_scores_what_the_last_eval_scored(runs, tmp_path):
+    """``vlm_sft.evaluate`` on ``final/`` gives the last in-training eval's predictions and score: on our decode
+    cache over 1 and 2 processes, and through transformers' ``generate`` (the reference backend)."""
+    run = runs["dense"]
+    logged = _samples(run, STEPS, scored=True)
+    score = [r for r in read_metrics(run) if "eval_loss" in r][-1]["eval_score/eval"]
+    for name, extra, nproc in (("ours", (), 1), ("transformers", ("--backend", "transformers"), 1), ("two", (), 2)):
+        scores, rows = _evaluate_cli(run, tmp_path / name, *extra, nproc=nproc)
+        assert [r["index"] for r in rows] == list(logged), name
+        assert [r["prediction"] for r in rows] == [r["prediction"] for r in logged.values()], name
+        assert scores["eval"]["score"] == pytest.approx(score) and scores["eval"]["count"] == len(logged), name
+        assert scores["eval"]["settings"]["metric"] == "exact_match"
+    assert any(r["score"] == 1.0 for r in rows), [r["prediction"] for r in rows]  # learned answers, not noise

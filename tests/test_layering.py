@@ -27,6 +27,7 @@ from vlm_sft.config import REPO_ROOT
 PACKAGE = REPO_ROOT / "vlm_sft"
 ENTRY_POINTS = (
     "vlm_sft.train", "vlm_sft.report", "vlm_sft.check_packing", "vlm_sft.viz", "vlm_sft.generate", "vlm_sft.plot",
+    "vlm_sft.evaluate",
 )  # fmt: skip
 TORCH_DISTRIBUTED = "torch.distributed"
 FORBIDDEN = {

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -213,4 +214,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a process of a multi-process run: skip the teardown that aborts
+        from vlm_sft.parallel.env import end_process
+
+        end_process(exit_code)
+    sys.exit(exit_code)

@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 PLOT_FILE = "run.png"
 """Default file name of the plot, inside the run folder."""
 TEACHER_FORCED, GENERATED = "eval_acc_", "eval_gen_acc_"
+SCORE = "eval_score/"
+"""Prefix of a scored held-out source's benchmark score (dotted lines in the accuracy panel)."""
 """Prefixes of the accuracy keys of an eval record: scored on the teacher-forced logits, and on generated replies."""
 ALL_TASKS = "all"
 """The task name of the accuracy over every scored sample (drawn in black, thicker)."""
@@ -119,6 +121,7 @@ def _draw_accuracy(ax, records) -> list[str]:
                 task_drawn = True
         if task_drawn:
             task_handles.append(Line2D([], [], color=colour, lw=width, label=task))
+    drawn += _draw_scores(ax, records, task_handles)
     if not drawn:
         _note(ax, "no accuracy logged (no held-out data)")
         return drawn
@@ -134,6 +137,17 @@ def _draw_accuracy(ax, records) -> list[str]:
     if missing:
         ax.set_title(f"accuracy (no {missing[0]} accuracy logged)", fontsize=10)
     return drawn
+
+
+def _draw_scores(ax, records, handles: list) -> list[str]:
+    """Each scored source's benchmark score, dotted, labelled ``score <name>``."""
+    keys = sorted({k for r in records for k in r if k.startswith(SCORE)})
+    for i, key in enumerate(keys):
+        steps, ys = series(records, key)
+        colour = f"C{(9 - i) % 10}"
+        ax.plot(steps, ys, ls=":", color=colour, lw=1.5, marker="s", ms=3)
+        handles.append(Line2D([], [], color=colour, ls=":", label=f"score {key.removeprefix(SCORE)}"))
+    return keys
 
 
 def _draw_one(ax, records, key: str, label: str) -> list[str]:

@@ -145,9 +145,15 @@ def build_eval_batches(
 
 def format_eval(step: int, ev: dict) -> str:
     """The eval line of the log: loss (and per held-out source, where there are several), teacher-forced accuracy per
-    task, generated accuracy per task."""
+    task, generated accuracy per task, the benchmark score of each scored source."""
     line = f"step {step}: eval loss {ev['eval_loss']:.4f}"
-    for prefix, label in ((SOURCE_LOSS, "per source"), ("eval_acc_", "accuracy"), ("eval_gen_acc_", "generated")):
+    kinds = (
+        (SOURCE_LOSS, "per source"),
+        ("eval_acc_", "accuracy"),
+        ("eval_gen_acc_", "generated"),
+        ("eval_score/", "score"),
+    )
+    for prefix, label in kinds:
         values = [f"{k.removeprefix(prefix)}={v:.3f}" for k, v in sorted(ev.items()) if k.startswith(prefix)]
         if values:
             line += f"; {label} {' '.join(values)}"

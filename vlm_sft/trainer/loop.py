@@ -59,6 +59,7 @@ from vlm_sft.trainer.nonfinite import (
 )
 from vlm_sft.trainer.preemption import PREEMPTED_EXIT_CODE, Stopped, StopRequest, stop_signals
 from vlm_sft.trainer.router_balance import StepRouting, routing_metrics
+from vlm_sft.trainer.scored_eval import evaluate_scores
 from vlm_sft.trainer.setup import Run, running
 from vlm_sft.trainer.step_batches import StepBatches, next_step_batches
 
@@ -322,7 +323,8 @@ def _diverged(run: Run) -> DivergedError:
 
 def _evaluate(run: Run) -> dict:
     """Eval of every rank's own share of the held-out packs, whole rows per rank (per held-out source too, with
-    ``[[data.eval_sources]]``), then the generated replies to the run's held-out prompts (``trainer.generation``),
+    ``[[data.eval_sources]]``), then the generated replies to the run's held-out prompts (``trainer.generation``)
+    and the benchmark scores of the scored sources (``trainer.scored_eval``),
     context parallelism off for both. The whole result goes to ``metrics.jsonl``."""
     samples: list[dict] = []
     with context_parallel_off(run.model), doing(f"evaluating at step {run.step}"):
@@ -335,6 +337,12 @@ def _evaluate(run: Run) -> dict:
                 task_names=sorted(set(run.sources.eval_tasks.values())),
             )  # fmt: skip
             result.update(generated)
+        if run.scored:
+            scores, scored_rows = evaluate_scores(
+                run.model, run.scored, run.env, run.processor.tokenizer, token_budget=run.cfg.data.pack_len
+            )
+            result.update(scores)
+            samples += scored_rows
     with all_ranks_or_none(run.env, "writing the eval metrics"):
         run.metrics.log({"step": run.step, **result})
         run.metrics.log_samples(run.step, samples)

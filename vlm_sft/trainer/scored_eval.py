@@ -14,6 +14,7 @@ score of each reply, and a source's score with its interval. One implementation 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -31,6 +32,9 @@ from vlm_sft.trainer.generation import generate, image_names, split_last_reply, 
 
 if TYPE_CHECKING:
     from vlm_sft.config import RunConfig, SourceConfig
+    from vlm_sft.data.build import DataSources
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,18 @@ def scored_prompts(scored: ScoredSource, renderer: Any) -> tuple[list[ScoredProm
     return prompts, skipped
 
 
+def scored_eval_prompts(cfg: RunConfig, sources: DataSources, renderer: Any) -> dict[str, list[ScoredPrompt]]:
+    """The prompts every eval asks of each scored held-out source (the same on every rank); rows left out are
+    counted in one warning per source."""
+    out = {}
+    for table, source in sources.scored:
+        prompts, skipped = scored_prompts(scored_source(cfg, table, source), renderer)
+        if skipped:
+            logger.warning("scored source %r: %d rows left out: %s", table.label, sum(skipped.values()), dict(skipped))
+        out[table.label] = prompts
+    return out
+
+
 def prediction_text(tokenizer: Any, tokens: Sequence[int], *, thinking: bool) -> str:
     """A reply as a server returns its content (special tokens left out, whitespace stripped); in thinking mode the
     prompt opened the think block, so the reply is read with its ``<think>`` put back (a reply that never closes it
@@ -189,8 +205,8 @@ def evaluate_scores(
             score_prediction(p, prediction_text(tokenizer, t, thinking=p.thinking))
             for p, t in zip(mine, tokens, strict=True)
         ]
-        tally = torch.tensor([sum(r["score"] for r in local), len(local), sum(not r["parsed"] for r in local)])
-        total, count, unparsed = all_reduce(tally.double(), env, "sum").tolist()
+        tally = [sum(r["score"] for r in local), len(local), sum(not r["parsed"] for r in local)]
+        total, count, unparsed = all_reduce(torch.tensor(tally, dtype=torch.float64), env, "sum").tolist()
         metrics[f"eval_score/{name}"] = total / count
         metrics[f"eval_unparsed/{name}"] = int(unparsed)
         gathered = gather_objects(local, env)

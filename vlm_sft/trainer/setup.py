@@ -49,6 +49,7 @@ from vlm_sft.trainer.metrics import MetricsLogger, ModuleTimer, StepTimer
 from vlm_sft.trainer.nonfinite import NonFiniteGuard
 from vlm_sft.trainer.optim import build_optimizer, build_scheduler, follow_configured_lr
 from vlm_sft.trainer.router_balance import RouterBalance
+from vlm_sft.trainer.scored_eval import ScoredPrompt, scored_eval_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Run:
     dtype and copies its ``mtp.*`` head back."""
     generation: list[GenerationPrompt] = field(default_factory=list)
     """Held-out prompts every eval answers by generation (``train.eval_generate``; the same on every rank)."""
+    scored: dict[str, list[ScoredPrompt]] = field(default_factory=dict)
+    """Per scored held-out source (``metric``), the prompts every eval asks and scores (``trainer.scored_eval``)."""
     resumed_from: Path | None = None
     """The checkpoint the run resumed from (None: a fresh start)."""
     guard: NonFiniteGuard = field(default_factory=lambda: NonFiniteGuard(3))
@@ -189,6 +192,7 @@ def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
         opened.callback(train_batches.close)  # its workers start now
         eval_batches = build_eval_batches(cfg, sources, renderer, env, pad_id)
         generation = generation_prompts(cfg, sources, renderer)
+        scored = scored_eval_prompts(cfg, sources, renderer)
         metrics = MetricsLogger(
             out_dir,
             enabled=env.is_main,
@@ -206,7 +210,7 @@ def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
     return Run(
         cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
         metrics, total_steps, step, compute_dtype, balance, mesh.cp, build.weights_source(cfg), generation,
-        resumed_from=resume_from, guard=_guard(cfg, sources, saved),
+        scored=scored, resumed_from=resume_from, guard=_guard(cfg, sources, saved),
     )  # fmt: skip
 
 
