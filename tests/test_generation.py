@@ -310,3 +310,46 @@ def test_the_evaluate_cli_on_final_scores_what_the_last_eval_scored(runs, tmp_pa
         assert scores["eval"]["score"] == pytest.approx(score) and scores["eval"]["count"] == len(logged), name
         assert scores["eval"]["settings"]["metric"] == "exact_match"
     assert any(r["score"] == 1.0 for r in rows), [r["prediction"] for r in rows]  # learned answers, not noise
+
+
+@pytest.mark.slow
+def test_the_readme_scores_a_chartqa_file_as_written(runs, tmp_path, monkeypatch):
+    """The README's scoring TOML table validates as a ``[[data.eval_sources]]`` table, and its ``--source`` command,
+    as written, scores a file of ChartQA's published columns (image, query, label) on a run's ``final/``."""
+    import re
+    import shlex
+    import shutil
+    import tomllib
+
+    import datasets
+    from PIL import Image
+
+    from vlm_sft.config import SourceConfig
+    from vlm_sft.evaluate import main
+
+    readme = (REPO_ROOT / "README.md").read_text()
+    toml_block = next(b for b in re.findall(r"^```toml\n(.*?)^```", readme, re.M | re.S) if "metric =" in b)
+    table = SourceConfig(**tomllib.loads(toml_block)["data"]["eval_sources"][0])
+    assert table.metric == "relaxed_accuracy" and table.label == "chartqa"
+    command = next(
+        line for line in readme.splitlines() if line.startswith("python -m vlm_sft.evaluate") and "--source" in line
+    )
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(runs["dense"] / "final", tmp_path / "outputs" / "debug" / "final")
+    (tmp_path / "data").mkdir()
+    for colour in ("red", "blue"):
+        Image.new("RGB", (64, 64), colour).save(tmp_path / f"{colour}.png")
+    features = datasets.Features(
+        {"image": datasets.Image(), "query": datasets.Value("string"), "label": datasets.List(datasets.Value("string"))}
+    )
+    images = [{"bytes": (tmp_path / f"{c}.png").read_bytes(), "path": None} for c in ("red", "blue")]
+    rows = {"image": images, "query": ["Colour?", "Count?"], "label": [["Red."], ["3"]]}
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "data" / "chartqa.parquet")
+    argv = shlex.split(command)
+    assert main(argv[3:]) == 0
+    scores = json.loads((tmp_path / "outputs" / "debug" / "final" / "eval" / "scores.json").read_text())
+    assert scores["chartqa"]["metric"] == "relaxed_accuracy" and scores["chartqa"]["count"] == 2
+    predictions = (tmp_path / "outputs" / "debug" / "final" / "eval" / "predictions.jsonl").read_text().splitlines()
+    assert all(
+        "Answer the question using a single word or phrase.<|im_end|>" in json.loads(p)["prompt"] for p in predictions
+    )

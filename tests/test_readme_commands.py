@@ -170,6 +170,17 @@ COMMANDS: dict[str, Run | Covered] = {
         "tests/test_generation.py::test_one_question_about_an_image_from_the_command_line",
         ("tests/test_generation.py", "def test_one_question_about_an_image_from_the_command_line"),
     ),
+    "python -m vlm_sft.evaluate outputs/debug/final --data.metric exact_match": Covered(
+        "tests/test_generation.py runs it on a trained run's final/ (with its shapes settings) on 1 and 2 processes",
+        ("tests/test_generation.py", "def test_the_evaluate_cli_on_final_scores_what_the_last_eval_scored"),
+    ),
+    (
+        "python -m vlm_sft.evaluate outputs/debug/final --source data/chartqa.parquet --metric relaxed_accuracy "
+        '--instruction "Answer the question using a single word or phrase."'
+    ): Covered(
+        "tests/test_generation.py runs the README's line as written next to a ChartQA-schema file and a final/",
+        ("tests/test_generation.py", "def test_the_readme_scores_a_chartqa_file_as_written"),
+    ),
     "bash bench/gpu.sh": Covered(
         "GPU only (the GPU session runs it); its parts run on the CPU in tests/test_gpu_check.py",
         ("tests/test_gpu_check.py", '"bench/gpu.sh", "--cpu-smoke"'),

@@ -105,8 +105,11 @@ def merged_adapter(path: Path, base: str | None, into: Path) -> Path:
     return into
 
 
-def ask_all(cfg: RunConfig, args: Any, tables: list[SourceConfig], env: Any, workdir: Path) -> list[dict]:
-    """Every table's rows asked and scored; the rows on rank 0 (empty elsewhere)."""
+def ask_all(
+    cfg: RunConfig, args: Any, tables: list[SourceConfig], env: Any, workdir: Path
+) -> tuple[list[dict], dict[str, dict[str, int]]]:
+    """Every table's rows asked and scored: the rows on rank 0 (empty elsewhere), and per source the rows that could
+    not be asked, by reason."""
     from processors import load_processor
     from renderers import get_renderer
     from vlm_sft.data.build import open_held_out
@@ -117,17 +120,18 @@ def ask_all(cfg: RunConfig, args: Any, tables: list[SourceConfig], env: Any, wor
     processor = load_processor(local)
     cfg = main_config(cfg, str(local), processor)
     renderer = get_renderer(processor, enable_thinking=cfg.data.enable_thinking)
-    prompts = {}
+    prompts, left_out = {}, {}
     for table in tables:
         scored = scored_source(cfg, table, open_held_out(cfg, table))
         prompts[scored.name], skipped = scored_prompts(scored, renderer)
+        left_out[scored.name] = dict(skipped)
         if skipped:
             logger.warning("source %r: %d rows left out: %s", scored.name, sum(skipped.values()), dict(skipped))
     if args.backend == "transformers":
         if env.world_size > 1:
             raise ConfigError("--backend transformers runs on one process (it is the reference, not the fast path)")
-        return transformers_rows(local if path.exists() else path, args.base, prompts, processor.tokenizer)
-    return ours_rows(cfg, prompts, env, processor.tokenizer)
+        return transformers_rows(local if path.exists() else path, args.base, prompts, processor.tokenizer), left_out
+    return ours_rows(cfg, prompts, env, processor.tokenizer), left_out
 
 
 def ours_rows(cfg: RunConfig, prompts: dict[str, list], env: Any, tokenizer: Any) -> list[dict]:
@@ -167,16 +171,24 @@ def transformers_rows(checkpoint: Path, base: str | None, prompts: dict[str, lis
     return rows
 
 
-def write_results(out: Path, rows: list[dict], tables: list[SourceConfig], args: Any) -> dict:
-    """``scores.json`` and ``predictions.jsonl`` under ``out``; returns the scores."""
+def write_results(
+    out: Path, rows: list[dict], left_out: dict[str, dict[str, int]], tables: list[SourceConfig], args: Any
+) -> dict:
+    """``scores.json`` and ``predictions.jsonl`` under ``out``; returns the scores (a source with no row asked has
+    score None)."""
     from vlm_sft.trainer.scored_eval import summarize
 
-    scores = summarize(rows)
+    found = summarize(rows)
+    scores = {}
     for table in tables:
-        if table.label in scores:
-            settings = table.model_dump(include={"metric", "instruction", "thinking", "max_new_tokens", "max_scored"})
-            settings.update(source=table.source, subset=table.subset, split=table.split)
-            scores[table.label]["settings"] = {**settings, "backend": args.backend, "checkpoint": args.checkpoint}
+        empty = {"metric": table.metric, "score": None, "count": 0, "unparsed": 0, "interval95": [None, None]}
+        settings = table.model_dump(include={"metric", "instruction", "thinking", "max_new_tokens", "max_scored"})
+        settings.update(source=table.source, subset=table.subset, split=table.split)
+        scores[table.label] = {
+            **found.get(table.label, empty),
+            "left_out": left_out.get(table.label, {}),
+            "settings": {**settings, "backend": args.backend, "checkpoint": args.checkpoint},
+        }
     out.mkdir(parents=True, exist_ok=True)
     (out / "scores.json").write_text(json.dumps(scores, indent=2) + "\n")
     with (out / "predictions.jsonl").open("w") as f:
@@ -197,20 +209,26 @@ def main(argv: list[str] | None = None) -> int:
     finished = False
     try:
         with tempfile.TemporaryDirectory() as workdir:
-            rows = ask_all(cfg, known, tables, env, Path(workdir))
+            rows, left_out = ask_all(cfg, known, tables, env, Path(workdir))
         finished = True
     finally:
         cleanup(env, finished=finished)
-    if env.is_main:
-        out = known.output_dir or Path(known.checkpoint) / "eval"
-        for name, s in write_results(out, rows, tables, known).items():
-            interval = "-".join(f"{v:.4f}" for v in s["interval95"] if v is not None)
-            print(
-                f"{name}: {s['metric']} {s['score']:.4f} (95% interval {interval}) over {s['count']} rows, "
-                f"{s['unparsed']} unparsed"
-            )
-        print(f"wrote {out}/scores.json and {out}/predictions.jsonl")
-    return 0
+    if not env.is_main:
+        return 0
+    out = known.output_dir or Path(known.checkpoint) / "eval"
+    scores = write_results(out, rows, left_out, tables, known)
+    for name, s in scores.items():
+        skipped = f", {sum(s['left_out'].values())} rows left out {s['left_out']}" if s["left_out"] else ""
+        if s["score"] is None:
+            print(f"{name}: no row could be asked{skipped}", file=sys.stderr)
+            continue
+        interval = "-".join(f"{v:.4f}" for v in s["interval95"] if v is not None)
+        print(
+            f"{name}: {s['metric']} {s['score']:.4f} (95% interval {interval}) over {s['count']} rows, "
+            f"{s['unparsed']} unparsed{skipped}"
+        )
+    print(f"wrote {out}/scores.json and {out}/predictions.jsonl")
+    return 1 if any(s["score"] is None for s in scores.values()) else 0
 
 
 if __name__ == "__main__":
