@@ -64,7 +64,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("generation")
     shapes = {"data.shapes.root": str(root / "shapes")}
     plans = {
-        "dense": ({"train.micro_batches": 2}, 1),
+        "dense": ({"train.micro_batches": 2, "train.plot": True}, 1),
         "dense_2ranks": ({"train.micro_batches": 1}, 2),
         "dense_cp2": ({"train.micro_batches": 2, "train.cp_size": 2}, 2),
         "moe": ({"model.name_or_path": "tiny-moe", "train.micro_batches": 2}, 1),

@@ -193,7 +193,14 @@ def test_the_config_trains_on_the_mixture_and_scores_each_eval_source(written, t
     config = tmp_path / "debug_mixture.toml"
     config.write_text(MIXTURE_CONFIG.read_text().replace('"data/mixture_example/', f'"{out}/'))
     run = tmp_path / "run"
-    overrides = {"max_steps": "2", "eval_every": "2", "eval_generate": "0", "output_dir": str(run), "log_every": "1"}
+    overrides = {
+        "max_steps": "2",
+        "eval_every": "2",
+        "eval_generate": "0",
+        "output_dir": str(run),
+        "log_every": "1",
+        "plot": "false",
+    }
     args = ["--config", str(config), "--data.num_workers", "0", "--data.pack_len", "640", "--data.seq_len", "320"]
     run_training(args + [a for k, v in overrides.items() for a in (f"--train.{k}", v)])
     records = read_metrics(run)

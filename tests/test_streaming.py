@@ -140,7 +140,7 @@ def test_source_resolution_errors(tmp_path):
         local_files(tmp_path / "missing.parquet")
     (tmp_path / "a.parquet").write_bytes(b"")
     (tmp_path / "b.jsonl").write_text("")
-    with pytest.raises(ValueError, match="must all be .jsonl / .json or all .parquet"):
+    with pytest.raises(ValueError, match=r"must all be \.jsonl / \.json or all \.parquet"):
         local_files(tmp_path)
     with pytest.raises(ValueError, match="0 <= shard < num_shards"):
         _rows(str(tmp_path / "a.parquet"), 2, 2)

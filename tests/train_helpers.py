@@ -34,6 +34,7 @@ def tiny_run_args(tmp: Path, **overrides: object) -> list[str]:
         "train.log_every": 1,
         "train.eval_every": "none",
         "data.num_workers": 0,
+        "train.plot": False,  # run.png costs ~1.5 s a run; the plot's own tests draw it
     }
     base.update(overrides)
     args: list[str] = []

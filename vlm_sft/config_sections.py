@@ -369,6 +369,9 @@ class TrainConfig(Section):
     """LoRA runs: also write ``final/`` as merged full weights (beside ``final/adapter/``); false: the adapter only."""
     check_packing: bool = False
     """Run the packing self-check (packed vs per-sample logits and gradients) before training."""
+    plot: bool = True
+    """Draw ``<output_dir>/run.png`` when the run finishes (about 1.5 s on a CPU; ``python -m vlm_sft.plot
+    <output_dir>`` draws it at any time, also mid-run)."""
     log_all_ranks: bool = False
     """Print INFO log lines on every rank (prefixed with the rank), not only on rank 0; other ranks always print
     warnings and errors."""

@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if known.dry_run:  # the report was printed by dry_run(); nothing was trained or saved
         print(f"dry run done: no optimizer step taken; the report is in {cfg.train.output_dir}/dry_run.json")
         return 0
-    report(result, cfg.train.output_dir)
+    report(result, cfg.train.output_dir, draw=cfg.train.plot)
     return 0
 
 
-def report(result, output_dir: str) -> None:
+def report(result, output_dir: str, *, draw: bool = True) -> None:
     """Rank 0's summary of a finished run (a ``trainer.loop.RunResult``): final eval, data, speed, plot."""
     if result.last_eval:
         accs = {k: round(v, 4) for k, v in result.last_eval.items() if k.startswith("eval_acc")}
@@ -128,7 +128,8 @@ def report(result, output_dir: str) -> None:
         f"finished {result.steps} steps in {result.wall_time_s:.1f} s ({result.real_tokens_per_s:.0f} real tokens/s); "
         f"checkpoint: {result.final_dir}"
     )
-    plot(output_dir)
+    if draw:
+        plot(output_dir)
 
 
 def plot(output_dir: str) -> None:
