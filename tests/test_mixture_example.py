@@ -187,22 +187,13 @@ def test_sources_validators_name_the_fix(tmp_path, first, second, extra, message
 def test_the_config_trains_on_the_mixture_and_scores_each_eval_source(written, tmp_path):
     """README's ``accelerate launch vlm_sft/train.py --config configs/debug_mixture.toml``, made tiny: the shipped
     config over the CLI's files trains, counts each source's samples and scores each held-out source."""
-    from train_helpers import read_metrics, run_training
+    from train_helpers import mixture_run_args, read_metrics, run_training
 
     out, _ = written
     config = tmp_path / "debug_mixture.toml"
     config.write_text(MIXTURE_CONFIG.read_text().replace('"data/mixture_example/', f'"{out}/'))
     run = tmp_path / "run"
-    overrides = {
-        "max_steps": "2",
-        "eval_every": "2",
-        "eval_generate": "0",
-        "output_dir": str(run),
-        "log_every": "1",
-        "plot": "false",
-    }
-    args = ["--config", str(config), "--data.num_workers", "0", "--data.pack_len", "640", "--data.seq_len", "320"]
-    run_training(args + [a for k, v in overrides.items() for a in (f"--train.{k}", v)])
+    run_training(mixture_run_args(config, run))
     records = read_metrics(run)
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]

@@ -202,7 +202,7 @@ def write_readme_mixture_data(root: Path) -> None:
 
 
 def test_the_readme_mixture_example_trains_as_written_on_a_local_snapshot(tmp_path, monkeypatch):
-    from train_helpers import read_metrics
+    from train_helpers import mixture_run_args, read_metrics
 
     from vlm_sft.train import main
 
@@ -213,16 +213,7 @@ def test_the_readme_mixture_example_trains_as_written_on_a_local_snapshot(tmp_pa
     config = tmp_path / "mixture.toml"
     config.write_text(base[: base.index("[[data.sources]]")] + tables + "\n" + base[base.index("[train]") :])
     run = tmp_path / "run"
-    overrides = {
-        "max_steps": "2",
-        "eval_every": "2",
-        "eval_generate": "0",
-        "output_dir": str(run),
-        "log_every": "1",
-        "plot": "false",
-    }
-    args = ["--config", str(config), "--data.num_workers", "0", "--data.pack_len", "640", "--data.seq_len", "320"]
-    assert main(args + [a for k, v in overrides.items() for a in (f"--train.{k}", v)]) == 0
+    assert main(mixture_run_args(config, run)) == 0
     steps = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     names = ("ocr", "charts", "ai2d")

@@ -43,6 +43,14 @@ def tiny_run_args(tmp: Path, **overrides: object) -> list[str]:
     return args
 
 
+def mixture_run_args(config: Path, run: Path) -> list[str]:
+    """A mixture config (``configs/debug_mixture.toml`` or one built like it) made a 2-step run with an eval at its
+    end, into ``run``."""
+    train = {"max_steps": 2, "eval_every": 2, "eval_generate": 0, "output_dir": run, "log_every": 1, "plot": "false"}
+    args = ["--config", str(config), "--data.num_workers", "0", "--data.pack_len", "640", "--data.seq_len", "320"]
+    return args + [a for k, v in train.items() for a in (f"--train.{k}", str(v))]
+
+
 def launch_env() -> dict[str, str]:
     env = {
         k: v
