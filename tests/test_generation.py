@@ -37,7 +37,7 @@ RUN = {
     "train.eval_generate_max_tokens": 16,
     "model.initializer_range": 0.08,
     "data.metric": "exact_match",  # the held-out source is scored too (eval_score/eval, trainer.scored_eval)
-    "data.max_scored": 12,
+    "data.max_scored": 6,
 }
 
 
