@@ -17,9 +17,12 @@ from renderers.types import (
     IMAGE_TOKEN_TYPE,
     TEXT_TOKEN_TYPE,
     VIDEO_TOKEN_TYPE,
+    VISION_TOKEN_TYPES,
     MultiModalData,
     PlaceholderRange,
     RenderedSample,
+    VideoSpan,
+    vision_slots,
 )
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "RENDERERS",
     "TEXT_TOKEN_TYPE",
     "VIDEO_TOKEN_TYPE",
+    "VISION_TOKEN_TYPES",
     "CachedImageProcessor",
     "ImageBlock",
     "ImageCache",
@@ -41,6 +45,7 @@ __all__ = [
     "SkipSample",
     "TemplateParityError",
     "TextBlock",
+    "VideoSpan",
     "check_served_prompt",
     "check_template_parity",
     "default_probe",
@@ -48,4 +53,5 @@ __all__ = [
     "load_image",
     "normalize_messages",
     "served_probes",
+    "vision_slots",
 ]

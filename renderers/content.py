@@ -4,7 +4,7 @@ Datasets spell the same conversation many ways: ``content`` as a string or a lis
 ``image`` / ``url`` / ``path`` / ``base64`` / OpenAI's ``image_url``, reasoning under ``reasoning_content`` /
 ``thinking`` / ``reasoning``, tool-call arguments as a dict or as a JSON string, and rows that went through Arrow
 carry ``None`` for every key another row had. This module turns all of them into one typed shape (``Message`` with
-``TextBlock`` / ``ImageBlock``), checks the conversation's structure, and hands the chat template plain dicts it
+``TextBlock`` / ``ImageBlock`` / ``VideoBlock``), checks the conversation's structure, and hands the chat template plain dicts it
 renders exactly as it would render the original. Structural problems raise ``RenderError`` with a stable reason.
 """
 
@@ -22,6 +22,9 @@ ROLES = ("system", "user", "assistant", "tool")
 
 IMAGE_KEYS = ("image", "url", "path", "base64", "image_url")
 """Keys an image block may carry its source under, in the order they are looked up."""
+
+VIDEO_KEYS = ("video", "video_url", "path", "url")
+"""Keys a video block may carry its source under, in the order they are looked up."""
 
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 _VIDEO_TYPES = frozenset({"video", "video_url", "input_video"})
@@ -48,7 +51,19 @@ class ImageBlock:
     """The key the source came under; ``base64`` lets a bare string be read as base64 rather than as a path."""
 
 
-Block = TextBlock | ImageBlock
+@dataclass(frozen=True)
+class VideoBlock:
+    """One video inside a message, loaded later by the renderer (``renderers.video``) so bad files fail per sample."""
+
+    source: Any
+    """A local path / ``file://`` URI, raw bytes, a ``{"bytes", "path"}`` dict as the datasets ``Video`` feature
+    yields it, or a list of frame images (each any image source)."""
+    fps: float | None = None
+    """Frames per second of a frame list (required for one: timestamps are stated in seconds); files carry their
+    own."""
+
+
+Block = TextBlock | ImageBlock | VideoBlock
 
 
 @dataclass(frozen=True)
@@ -78,9 +93,14 @@ class Message:
     def images(self) -> list[ImageBlock]:
         return [b for b in self.blocks if isinstance(b, ImageBlock)]
 
+    @property
+    def visuals(self) -> list[ImageBlock | VideoBlock]:
+        """The image and video blocks, in order."""
+        return [b for b in self.blocks if not isinstance(b, TextBlock)]
+
     def has_content(self) -> bool:
-        """True when the message carries any image or any non-blank text."""
-        return any(isinstance(b, ImageBlock) or b.text.strip() for b in self.blocks)
+        """True when the message carries any image, video or non-blank text."""
+        return any(not isinstance(b, TextBlock) or b.text.strip() for b in self.blocks)
 
 
 def drop_none(value: Any) -> Any:
@@ -107,6 +127,20 @@ def _image_source(block: Mapping) -> tuple[Any, str] | None:
     return None
 
 
+def _video_block(block: Mapping) -> VideoBlock:
+    for key in VIDEO_KEYS:
+        value = block.get(key)
+        if key == "video_url" and isinstance(value, Mapping):
+            value = value.get("url")
+        if value is None:
+            continue
+        fps = block.get("fps", block.get("sample_fps"))
+        if fps is not None and (isinstance(fps, bool) or not isinstance(fps, int | float) or not fps > 0):
+            raise RenderError("bad_video_source", f"video fps must be a positive number, got {fps!r:.40}")
+        return VideoBlock(value, None if fps is None else float(fps))
+    raise RenderError("bad_video_source", f"video block without a source: {sorted(block)}")
+
+
 def normalize_block(block: Any) -> Block:
     """One content entry to a typed block; unsupported entries raise ``RenderError``."""
     if isinstance(block, str):
@@ -118,7 +152,7 @@ def normalize_block(block: Any) -> Block:
     if kind is not None and not isinstance(kind, str):  # e.g. ["x"]: unhashable, and no type we know
         raise RenderError("unknown_block_type", f"content block type of type {type(kind).__name__}: {kind!r:.60}")
     if kind in _VIDEO_TYPES or (kind is None and "video" in block):
-        raise RenderError("video_not_supported", "video is not supported yet")
+        return _video_block(block)
     if kind in _IMAGE_TYPES or (kind is None and _image_source(block) is not None):
         found = _image_source(block)
         if found is None:
@@ -319,14 +353,19 @@ def iter_text(messages: Sequence[Message], tools: Sequence[Mapping] | None = Non
     return found
 
 
+def _template_block(block: Block) -> dict:
+    if isinstance(block, TextBlock):
+        return {"type": "text", "text": block.text}
+    return {"type": "image"} if isinstance(block, ImageBlock) else {"type": "video"}
+
+
 def to_template_message(message: Message) -> dict:
-    """The dict the chat template sees: images become ``{"type": "image"}`` (templates only test for the key)."""
+    """The dict the chat template sees: images become ``{"type": "image"}`` and videos ``{"type": "video"}``
+    (templates only test for the type)."""
     if isinstance(message.content, str):
         content: Any = message.content
     else:
-        content = [
-            {"type": "text", "text": b.text} if isinstance(b, TextBlock) else {"type": "image"} for b in message.content
-        ]
+        content = [_template_block(b) for b in message.content]
     out: dict[str, Any] = {"role": message.role, "content": content}
     if message.reasoning_content is not None:
         out["reasoning_content"] = message.reasoning_content

@@ -58,6 +58,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 from renderers.content import (
     ImageBlock,
     Message,
+    VideoBlock,
     iter_text,
     map_message_text,
     map_strings,
@@ -70,7 +71,9 @@ from renderers.content import (
 from renderers.errors import RenderError
 from renderers.image_cache import CachedImageProcessor, ImageCache, ProcessedImage
 from renderers.served import THINKING_VARIABLE, ServedPrompt
-from renderers.types import IMAGE_TOKEN_TYPE, MultiModalData, PlaceholderRange, RenderedSample
+from renderers.types import MultiModalData, PlaceholderRange, RenderedSample, vision_slots
+from renderers.video import ProcessedVideo, VideoSettings, load_video
+from renderers.vision_items import VisionItems, expand_video_wrappers, vision_items
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +114,7 @@ class Qwen3_5Renderer:
         chat_template: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         enable_thinking: bool = False,
+        video_settings: VideoSettings | None = None,
     ) -> None:
         if loss_on not in ("all_assistant", "last_assistant", "stable_prefix"):
             raise ValueError(f"loss_on={loss_on!r}; use 'all_assistant', 'last_assistant' or 'stable_prefix'")
@@ -138,6 +142,9 @@ class Qwen3_5Renderer:
         self.merge_size = int(image_processor.merge_size)
         image_token = getattr(processor, "image_token", "<|image_pad|>")
         self.image_token_id = self._token_id(image_token)
+        self.video_token_id = self._token_id(getattr(processor, "video_token", "<|video_pad|>"))
+        self.video_settings = video_settings or VideoSettings.from_processor(processor.video_processor.to_dict())
+        """Frame sampling and pixel budget of videos (the checkpoint's video processor config unless overridden)."""
         self.vision_ids = np.array(
             [self._token_id(getattr(processor, name, default)) for name, default in _VISION_TOKENS], dtype=np.int64
         )
@@ -341,6 +348,8 @@ class Qwen3_5Renderer:
     def _render(self, messages: Any, tools: Any, sample_index: int) -> RenderedSample:
         conversation, tools_, found = self._prepare(messages, tools)
         text, spans = self._template(conversation, tools_)
+        visuals = self._load_visuals(conversation)
+        text, spans = expand_video_wrappers(text, spans, [v for v in visuals if isinstance(v, ProcessedVideo)])
         trained, cuts = self._trained_spans(text, spans, conversation)
         ids, offsets = self._tokenize(text, cuts)
 
@@ -348,7 +357,7 @@ class Qwen3_5Renderer:
         mask = np.zeros(len(ids), dtype=bool)
         for start, end in trained:
             mask |= (starts < end) & (ends > start)
-        sample = self._with_images(conversation, ids, mask, sample_index, found)
+        sample = self._with_vision(visuals, ids, mask, sample_index, found)
         if not sample.loss_mask.any():
             raise RenderError("no_trainable_tokens", "the rendered conversation has no assistant tokens to train on")
         return sample
@@ -368,8 +377,10 @@ class Qwen3_5Renderer:
         try:
             conversation, tools_, found = self._prepare(messages, tools, prompt=True)
             text, _ = self._template(conversation, tools_, generation_prompt=True, thinking=thinking)
+            visuals = self._load_visuals(conversation)
+            text, _ = expand_video_wrappers(text, [], [v for v in visuals if isinstance(v, ProcessedVideo)])
             ids, _ = self._tokenize(text)
-            sample = self._with_images(conversation, ids, np.zeros(len(ids), dtype=bool), sample_index, found)
+            sample = self._with_vision(visuals, ids, np.zeros(len(ids), dtype=bool), sample_index, found)
         except RenderError as e:
             if sample_index >= 0 and e.sample_index != sample_index:
                 raise e.with_index(sample_index) from e
@@ -377,27 +388,44 @@ class Qwen3_5Renderer:
         sample.metadata["text"] = text.replace(_MARK_OPEN, "").replace(_MARK_CLOSE, "")
         return sample
 
-    def _with_images(
-        self, conversation: Sequence[Message], ids: np.ndarray, mask: np.ndarray, sample_index: int, found: list[str]
+    def _load_visuals(self, conversation: Sequence[Message]) -> list[ProcessedImage | ProcessedVideo]:
+        """Every image (cached) and video of the conversation, processed, in the order the template renders them."""
+        out: list[ProcessedImage | ProcessedVideo] = []
+        for block in (b for m in conversation for b in m.visuals):
+            if isinstance(block, VideoBlock):
+                out.append(load_video(block.source, self.video_settings, fps=block.fps))
+            else:
+                assert isinstance(block, ImageBlock)
+                out.append(self.images.process(block.source, block.key))
+        return out
+
+    def _with_vision(
+        self,
+        visuals: list[ProcessedImage | ProcessedVideo],
+        ids: np.ndarray,
+        mask: np.ndarray,
+        sample_index: int,
+        found: list[str],
     ) -> RenderedSample:
-        """Each ``<|image_pad|>`` expanded to its image's merged-token count, the images processed (cached), vision
-        tokens never trained."""
-        blocks: list[ImageBlock] = [b for m in conversation for b in m.images]
-        pad_positions = np.flatnonzero(ids == self.image_token_id)
-        if len(pad_positions) != len(blocks):
+        """Each image pad and each video group's pad widened to its merged-token count, slot types set (1 image, 2
+        video), vision tokens never trained."""
+        items = vision_items(visuals)
+        pad_positions = np.flatnonzero((ids == self.image_token_id) | (ids == self.video_token_id))
+        kinds = np.where(ids[pad_positions] == self.video_token_id, 2, 1)
+        if len(pad_positions) != len(items.kinds) or not np.array_equal(kinds, items.kinds):
             raise RenderError(
                 "image_count_mismatch",
-                f"the template rendered {len(pad_positions)} image slots for {len(blocks)} images",
+                f"the template rendered {int((kinds == 1).sum())} image and {int((kinds == 2).sum())} video-group "
+                f"slots for {items.kinds.count(1)} images and {items.kinds.count(2)} video groups",
             )
-        processed: list[ProcessedImage] = [self.images.process(b.source, b.key) for b in blocks]
-        lengths = [p.num_patches // self.merge_size**2 for p in processed]
+        lengths = [int(np.prod(g)) // self.merge_size**2 for g in items.grids]
         types = np.zeros(len(ids), dtype=np.int64)
-        if blocks:
+        if items.kinds:
             repeats = np.ones(len(ids), dtype=np.int64)
             repeats[pad_positions] = lengths
-            types[pad_positions] = IMAGE_TOKEN_TYPE
+            types[pad_positions] = kinds
             ids, mask, types = np.repeat(ids, repeats), np.repeat(mask, repeats), np.repeat(types, repeats)
-            mask &= (types != IMAGE_TOKEN_TYPE) & ~np.isin(ids, self.vision_ids)
+            mask &= ~vision_slots(torch.from_numpy(types)).numpy() & ~np.isin(ids, self.vision_ids)
         metadata: dict[str, Any] = {}
         if found:
             metadata["escaped_special_text" if self.special_text == "escape" else "dropped_special_text"] = tuple(found)
@@ -405,28 +433,27 @@ class Qwen3_5Renderer:
             token_ids=torch.from_numpy(ids),
             loss_mask=torch.from_numpy(mask),
             mm_token_type_ids=torch.from_numpy(types),
-            multi_modal_data=self._multi_modal_data(processed, pad_positions, lengths) if blocks else None,
+            multi_modal_data=_multi_modal_data(items, pad_positions, lengths) if items.kinds else None,
             sample_index=sample_index,
             metadata=metadata,
         )
 
-    @staticmethod
-    def _multi_modal_data(
-        processed: list[ProcessedImage], pad_positions: np.ndarray, lengths: list[int]
-    ) -> MultiModalData:
-        # Each earlier image's single pad became `length` tokens, shifting later ones by length - 1.
-        shift = np.concatenate([[0], np.cumsum(np.asarray(lengths) - 1)[:-1]])
-        placeholders = tuple(
-            PlaceholderRange(int(p + s), int(n)) for p, s, n in zip(pad_positions, shift, lengths, strict=True)
-        )
-        return MultiModalData(
-            # A copy, so cached tensors stay untouched. numpy, not torch.cat: with several intra-op threads on a
-            # busy machine torch.cat of two small tensors measured ~3 ms here, np.concatenate ~30 us.
-            pixel_values=torch.from_numpy(np.concatenate([p.pixel_values.numpy() for p in processed])),
-            image_grid_thw=torch.tensor([p.grid_thw for p in processed], dtype=torch.long),
-            placeholders=placeholders,
-            image_hashes=tuple(p.content_hash for p in processed),
-        )
+
+def _multi_modal_data(items: VisionItems, pad_positions: np.ndarray, lengths: list[int]) -> MultiModalData:
+    # Each earlier item's single pad became `length` tokens, shifting later ones by length - 1.
+    shift = np.concatenate([[0], np.cumsum(np.asarray(lengths) - 1)[:-1]])
+    placeholders = tuple(
+        PlaceholderRange(int(p + s), int(n)) for p, s, n in zip(pad_positions, shift, lengths, strict=True)
+    )
+    return MultiModalData(
+        # A copy, so cached tensors stay untouched. numpy, not torch.cat: with several intra-op threads on a
+        # busy machine torch.cat of two small tensors measured ~3 ms here, np.concatenate ~30 us.
+        pixel_values=torch.from_numpy(np.concatenate(items.pixel_values)),
+        image_grid_thw=torch.tensor(items.grids, dtype=torch.long),
+        placeholders=placeholders,
+        image_hashes=tuple(items.hashes),
+        videos=items.videos,
+    )
 
 
 def _context_spans(spans: list[list[int]], conversation: Sequence[Message]) -> set[tuple[int, int]]:

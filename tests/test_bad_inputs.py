@@ -192,13 +192,13 @@ def test_committed_fixture_files(renderer):
     assert render_error(renderer, with_image(str(FIXTURES / "zero_width.png"))).reason == "empty_image"
 
 
-def test_video_block(renderer):
+def test_missing_video_file(renderer):
     messages = [
         {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]},
         {"role": "assistant", "content": "x"},
     ]
     err = render_error(renderer, messages)
-    assert err.reason == "video_not_supported" and "video is not supported yet" in str(err)
+    assert err.reason == "missing_video" and "clip.mp4" in str(err)
 
 
 def test_unknown_block_type(renderer):

@@ -75,8 +75,10 @@ def test_rejects_counts_that_do_not_match_the_grids():
     types = torch.tensor([0, 1, 1, 1, 0])
     with pytest.raises(ValueError, match="image tokens"):
         mrope_position_ids(types, torch.tensor([[1, 4, 4]]))  # 4 slots expected, 3 present
-    with pytest.raises(ValueError, match="video"):
-        mrope_position_ids(torch.tensor([0, 2, 0]), None)
+    with pytest.raises(ValueError, match="other than 0"):
+        mrope_position_ids(torch.tensor([0, 3, 0]), None)  # 3: no such slot type
+    with pytest.raises(ValueError, match="no image_grid_thw"):
+        mrope_position_ids(torch.tensor([0, 2, 0]), None)  # a video slot without its grid
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from renderers.types import IMAGE_TOKEN_TYPE
+from renderers.types import vision_slots
 from vlm_sft.data.mrope import image_token_counts, mrope_position_ids
 
 
@@ -182,9 +182,9 @@ class PackedBatch:
         idx = inner.nonzero(as_tuple=True)[0]
         assert bool((flat_tgt[idx] == flat_in[idx + 1]).all()), "a target is not the next input of its own segment"
         flat_types = self.mm_token_type_ids.reshape(-1)
-        image_target = flat_types[idx + 1] == IMAGE_TOKEN_TYPE
-        assert not bool(self.loss_mask.reshape(-1)[idx][image_target].any()), "an image slot is trained as a target"
-        slots = int((flat_types == IMAGE_TOKEN_TYPE).sum())
+        image_target = vision_slots(flat_types[idx + 1])
+        assert not bool(self.loss_mask.reshape(-1)[idx][image_target].any()), "a vision slot is trained as a target"
+        slots = int(vision_slots(flat_types).sum())
         if self.image_grid_thw is None:
             assert self.pixel_values is None and slots == 0, "image slots without images"
         else:

@@ -1,7 +1,7 @@
 """MRoPE (3-axis rotary) position ids for packed rows, computed on the CPU in the data path.
 
 Qwen3.5 gives every token a (temporal, height, width) position. Text advances all three axes together by 1 per
-token; an image's merged tokens take ``start + (t, h, w)`` over its grid (grid h and w divided by the spatial
+token; an image's (or a video group's: ``renderers.types``) merged tokens take ``start + (t, h, w)`` over its grid (grid h and w divided by the spatial
 merge size), and the text after it resumes at ``start + max(h, w)`` (the temporal extent is not added). This module
 reproduces transformers' ``Qwen3_5Model.get_rope_index`` for one sample, and does it for all segments of a packed
 row (or of a whole flattened batch) at once, restarting at 0 at every segment start, so a sample packed with others
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
+from renderers.types import TEXT_TOKEN_TYPE, VISION_TOKEN_TYPES
 
 
 def image_token_counts(image_grid_thw: torch.Tensor, spatial_merge_size: int = 2) -> torch.Tensor:
@@ -39,17 +39,17 @@ def mrope_position_ids(
 ) -> torch.Tensor:
     """``[3, M]`` int64 positions for ``M`` tokens split into segments of ``seq_lens`` (None: one segment).
 
-    ``mm_token_type_ids`` is ``[M]`` (0 text, 1 image slot); ``image_grid_thw`` is ``[N, 3]`` for the images in token
-    order (None or empty without images). Raises ``ValueError`` on video slots or when the type-1 token count does
-    not match the grids.
+    ``mm_token_type_ids`` is ``[M]`` (0 text, 1 image slot, 2 video slot); ``image_grid_thw`` is ``[N, 3]`` for the
+    vision items (images and video groups) in token order (None or empty without any). Raises ``ValueError`` on an
+    unknown type or when the slot count does not match the grids.
     """
     types = mm_token_type_ids.reshape(-1)
     total = int(types.shape[0])
-    if bool(((types != TEXT_TOKEN_TYPE) & (types != IMAGE_TOKEN_TYPE)).any()):
-        raise ValueError("mm_token_type_ids holds a value other than 0 (text) or 1 (image); video is not supported")
+    if bool(((types < TEXT_TOKEN_TYPE) | (types > max(VISION_TOKEN_TYPES))).any()):
+        raise ValueError("mm_token_type_ids holds a value other than 0 (text), 1 (image) or 2 (video)")
     if total == 0:
         return torch.zeros(3, 0, dtype=torch.long)
-    is_image = types == IMAGE_TOKEN_TYPE
+    is_image = types != TEXT_TOKEN_TYPE
     num_image_tokens = int(is_image.sum())
     # Per-token advance of the running position: 1 per text token; an image advances by max(h, w) at its last token,
     # so that every token of the image sees the same exclusive prefix sum (the image's start position).

@@ -58,18 +58,29 @@ def safe_cut(num_tokens: int, keep: int, blocks: list[tuple[int, int]]) -> int:
     return cut
 
 
-def slice_multimodal(mm: MultiModalData | None, num_images: int) -> MultiModalData | None:
-    """The first ``num_images`` images of ``mm`` (pixel rows, grid rows, placeholders and hashes together)."""
-    if mm is None or num_images == 0:
+def slice_multimodal(mm: MultiModalData | None, num_items: int) -> MultiModalData | None:
+    """The first ``num_items`` vision items of ``mm`` (pixel rows, grid rows, placeholders and hashes together); a
+    video cut between two groups keeps its earlier groups and their true timestamps."""
+    if mm is None or num_items == 0:
         return None
-    if num_images == mm.num_images:
+    if num_items == mm.num_items:
         return mm
-    rows = int(mm.image_grid_thw[:num_images].prod(-1).sum())
+    rows = int(mm.image_grid_thw[:num_items].prod(-1).sum())
+    videos = tuple(
+        dataclasses.replace(
+            v,
+            num_groups=min(v.num_groups, num_items - v.first_item),
+            timestamps=v.timestamps[: num_items - v.first_item],
+        )
+        for v in mm.videos
+        if v.first_item < num_items
+    )
     return MultiModalData(
         pixel_values=mm.pixel_values[:rows],
-        image_grid_thw=mm.image_grid_thw[:num_images],
-        placeholders=mm.placeholders[:num_images],
-        image_hashes=mm.image_hashes[:num_images],
+        image_grid_thw=mm.image_grid_thw[:num_items],
+        placeholders=mm.placeholders[:num_items],
+        image_hashes=mm.image_hashes[:num_items],
+        videos=videos,
     )
 
 

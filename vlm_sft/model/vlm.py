@@ -30,7 +30,7 @@ from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
 
-from renderers.types import IMAGE_TOKEN_TYPE, TEXT_TOKEN_TYPE
+from renderers.types import TEXT_TOKEN_TYPE, VISION_TOKEN_TYPES
 from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.decode import DecodeCache, cached_logits
 from vlm_sft.model.layers import init_text_weights
@@ -153,8 +153,9 @@ class Qwen3_5VLM(nn.Module):
         pipeline (``PackedBatch.position_ids``; ``vlm_sft.data.mrope.sample_position_ids`` for one sample): the model
         never rebuilds them. ``seq_lens``: segment lengths covering the B * L tokens row-major (each row's segments
         sum to L; padding is its own segment) as host ints (a CPU tensor or a sequence); None means one segment per
-        row. ``pixel_values`` ``[P, C*T*p*p]`` and ``image_grid_thw`` ``[N, 3]``: the images in the order of their
-        slots in the flattened tokens; slots are where ``mm_token_type_ids == 1``. ``loss_mask`` (default:
+        row. ``pixel_values`` ``[P, C*T*p*p]`` and ``image_grid_thw`` ``[N, 3]``: the vision items (images and video
+        groups, ``renderers.types``) in the order of their slots in the flattened tokens; slots are where
+        ``mm_token_type_ids`` is 1 (image) or 2 (video). ``loss_mask`` (default:
         ``target_ids >= 0``) selects the tokens of the loss.
 
         MoE models also report ``LossOutput.router`` (``load_balance.RouterStats``) over the tokens of
@@ -250,10 +251,7 @@ class Qwen3_5VLM(nn.Module):
             image_grid_thw, pixel_values = self._dummy_image(embeds_TD.device)
         n_slots, n_bad, n_patches = self._count_inputs(mm_T, image_grid_thw)
         if n_bad:
-            raise ValueError(
-                f"mm_token_type_ids holds {n_bad} values other than 0 (text) and 1 (image): only those are supported "
-                "(video input is rejected)"
-            )
+            raise ValueError(f"mm_token_type_ids holds {n_bad} values other than 0 (text), 1 (image) and 2 (video)")
         if pixel_values.shape[0] != n_patches:
             raise ValueError(
                 f"pixel_values has {pixel_values.shape[0]} patch rows but image_grid_thw {image_grid_thw.tolist()} "
@@ -280,7 +278,7 @@ class Qwen3_5VLM(nn.Module):
                 f"image slot count mismatch: mm_token_type_ids marks {n_slots} image slots but the vision tower "
                 f"produced {feats_ND.shape[0]} features for image_grid_thw {image_grid_thw.tolist()}"
             )
-        slots = (mm_T == IMAGE_TOKEN_TYPE).nonzero().squeeze(1)
+        slots = (mm_T != TEXT_TOKEN_TYPE).nonzero().squeeze(1)
         return embeds_TD.index_put((slots,), feats_ND)
 
     def _encode_share(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
@@ -311,12 +309,12 @@ class Qwen3_5VLM(nn.Module):
 
     @staticmethod
     def _count_inputs(mm_T: torch.Tensor | None, image_grid_thw: torch.Tensor) -> tuple[int, int, int]:
-        """(image slots, unsupported token types, patch rows the grids need), read from the device in one copy."""
+        """(vision slots, unsupported token types, patch rows the grids need), read from the device in one copy."""
         patches = image_grid_thw.prod(-1).sum()
         if mm_T is None:
             return 0, 0, int(patches)
-        bad = (mm_T != TEXT_TOKEN_TYPE) & (mm_T != IMAGE_TOKEN_TYPE)
-        counts = torch.stack([(mm_T == IMAGE_TOKEN_TYPE).sum(), bad.sum(), patches.to(mm_T.device)])
+        bad = (mm_T < TEXT_TOKEN_TYPE) | (mm_T > max(VISION_TOKEN_TYPES))
+        counts = torch.stack([(mm_T != TEXT_TOKEN_TYPE).sum(), bad.sum(), patches.to(mm_T.device)])
         n_slots, n_bad, n_patches = counts.tolist()
         return n_slots, n_bad, n_patches
 
