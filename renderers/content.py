@@ -59,8 +59,8 @@ class VideoBlock:
     """A local path / ``file://`` URI, raw bytes, a ``{"bytes", "path"}`` dict as the datasets ``Video`` feature
     yields it, or a list of frame images (each any image source)."""
     fps: float | None = None
-    """Frames per second of a frame list (required for one: timestamps are stated in seconds); files carry their
-    own."""
+    """For a file, the frames sampled per second (overrides ``data.video_fps``, as qwen-vl-utils reads a block's
+    ``fps``); for a frame list, the frames' own rate (required: timestamps are stated in seconds)."""
 
 
 Block = TextBlock | ImageBlock | VideoBlock

@@ -341,7 +341,12 @@ MALFORMED = {
     b'{"messages": [1, 2]}': "bad_message",
     b'{"messages": [{"content": "no role"}]}': "unknown_role",
     b'{"messages": [{"role": "narrator", "content": "x"}]}': "unknown_role",
-    b'{"messages": [{"role": "user", "content": {"type": "video", "video": "a.mp4"}}]}': "video_not_supported",
+    b'{"messages": [{"role": "user", "content": {"type": "video", "video": "a.mp4"}}, {"role": "assistant", "content": "a"}]}': (
+        "missing_video"
+    ),
+    b'{"messages": [{"role": "user", "content": {"type": "video", "video": "/etc/hostname"}}, {"role": "assistant", "content": "a"}]}': (
+        "image_outside_root"
+    ),
     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}]}': "bad_content",
     b'{"messages": [{"role": "user", "content": [{"type": ["x"]}]}, {"role": "assistant", "content": "a"}]}': (
         "unknown_block_type"

@@ -62,7 +62,7 @@ def test_cli_writes_json_with_skip_reasons(tmp_path, capsys):
     missing_example = report["skipped"]["missing_image"]["examples"]
     assert report["skipped"]["missing_image"]["count"] == 1 and [e["row"] for e in missing_example] == [1]
     assert missing_example[0]["detail"].endswith("nope.png")  # which file: the detail, not only the reason key
-    assert [e["row"] for e in report["skipped"]["video_not_supported"]["examples"]] == [3]
+    assert [e["row"] for e in report["skipped"]["missing_video"]["examples"]] == [3]
     assert [e["row"] for e in report["skipped"]["no_assistant_turn"]["examples"]] == [4]
     printed = capsys.readouterr().out
     assert "missing_image" in printed and "row 1: no such image file" in printed and "nope.png" in printed

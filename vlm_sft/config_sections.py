@@ -196,6 +196,22 @@ class DataConfig(RowFormat, Scoring):
     allowed_image_roots: list[str] = []
     """Further folders images may be read from (absolute paths, symlink targets). Anything else is skipped as
     ``image_outside_root`` without being opened."""
+    video_fps: float | None = Field(None, gt=0)
+    """Frames sampled per second of video (transformers' ``fps``); None: the checkpoint's video processor config
+    (2 for Qwen3.5). A clip samples at least ``video_min_frames`` and at most ``video_max_frames`` frames."""
+    video_min_frames: int | None = Field(None, ge=1)
+    """Fewest frames sampled from a video (``min_frames``; 4 for Qwen3.5); None: the checkpoint's."""
+    video_max_frames: int | None = Field(None, ge=1)
+    """Most frames sampled from a video (``max_frames``; 768 for Qwen3.5); None: the checkpoint's."""
+    video_max_pixels: int | None = Field(None, ge=1)
+    """Pixel budget of a whole sampled video, frames x height x width after resizing (the video processor's
+    ``size.longest_edge``; 786432 for Qwen3.5, i.e. 768 tokens); None: the checkpoint's."""
+    video_min_pixels: int | None = Field(None, ge=1)
+    """Smallest total pixels a sampled video is resized to (``size.shortest_edge``); None: the checkpoint's."""
+    video_max_frame_tokens: int | None = Field(None, ge=1)
+    """Per-frame cap in merged tokens (transformers' ``cap_pixels_per_frame`` with ``max_video_tokens``, as
+    qwen-vl-utils caps frames), so a short clip cannot spend the whole budget on a few huge frames; None: no cap, as
+    transformers 5.25 does by default."""
     max_skip_fraction: float = Field(0.05, ge=0, le=1)
     """Stop the run (with the skip report) when more than this fraction of the samples seen so far were skipped,
     checked once ``skip_check_after`` samples were seen (or a whole pass, if shorter). 1 disables the check."""

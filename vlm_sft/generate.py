@@ -1,4 +1,5 @@
-"""Ask a saved checkpoint: ``python -m vlm_sft.generate PATH (--data FILE | --image IMG --prompt TEXT) [options]``.
+"""Ask a saved checkpoint: ``python -m vlm_sft.generate PATH (--data FILE | --image IMG --video CLIP --prompt TEXT)
+[options]``.
 
 PATH is what a run saved: ``final/``, a ``checkpoints/step-N/hf``, or a LoRA adapter folder (``final/adapter``) on
 the base its ``adapter_config.json`` names (or ``--base``). Loading and decoding go through transformers'
@@ -36,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("path", help="an HF checkpoint directory (final/, step-N/hf) or a PEFT adapter folder")
     parser.add_argument("--data", help="a data file: every conversation's last assistant turn is the reference")
     parser.add_argument("--image", action="append", default=[], help="an image for --prompt (repeatable)")
-    parser.add_argument("--prompt", help="a question to ask (with --image: about those images)")
+    parser.add_argument("--video", action="append", default=[], help="a video file for --prompt (repeatable)")
+    parser.add_argument("--prompt", help="a question to ask (with --image / --video: about them)")
     parser.add_argument("--limit", type=int, default=None, help="ask only the first N conversations of --data")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="longest reply, in tokens (default 64)")
     parser.add_argument(
@@ -94,16 +96,49 @@ def _with_images(messages: list[dict]) -> list[dict]:
     return out
 
 
+def _has_video(messages: list[dict]) -> bool:
+    return any(
+        isinstance(b, dict) and b.get("type") in ("video", "video_url")
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for b in m["content"]
+    )
+
+
+def _video_prompt(processor: Any, messages: list[dict], tools: Any, template_kwargs: dict) -> Any:
+    """The prompt of a conversation with videos, built by our renderer (transformers' video processor needs
+    torchvision): the same tokens and pixels ``Qwen3VLProcessor`` makes (``tests/test_video_processor.py``)."""
+    from transformers import BatchFeature
+
+    from renderers import get_renderer
+    from renderers.served import default_thinking_mode
+    from renderers.vision_items import transformers_inputs
+
+    thinking = template_kwargs.get("enable_thinking")
+    if thinking is None:
+        thinking = bool(default_thinking_mode(processor.chat_template, processor.tokenizer.special_tokens_map))
+    sample = get_renderer(processor).render_prompt(messages, tools=tools, thinking=thinking)
+    ids = sample.token_ids[None]
+    vision = {} if sample.multi_modal_data is None else transformers_inputs(sample.multi_modal_data)
+    return BatchFeature(
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": sample.mm_token_type_ids[None]}
+        | vision
+    )
+
+
 def ask(
     model: Any, processor: Any, messages: list[dict], *, tools: Any = None, max_new_tokens: int, template_kwargs: dict
 ) -> list[int]:
     """Greedy reply tokens from transformers' ``generate`` for a prompt the chat template builds."""
     from vlm_sft.trainer.generation import STOP_TOKENS
 
-    inputs = processor.apply_chat_template(
-        _with_images(messages), tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True,
-        return_tensors="pt", **template_kwargs,
-    ).to(model.device)  # fmt: skip
+    if _has_video(messages):
+        inputs = _video_prompt(processor, messages, tools, template_kwargs).to(model.device)
+    else:
+        inputs = processor.apply_chat_template(
+            _with_images(messages), tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True,
+            return_tensors="pt", **template_kwargs,
+        ).to(model.device)  # fmt: skip
     stops = processor.tokenizer.convert_tokens_to_ids(list(STOP_TOKENS))
     with torch.no_grad():
         out = model.generate(
@@ -119,7 +154,8 @@ def _conversations(args: argparse.Namespace) -> list[tuple[list[dict], Any, str 
     from vlm_sft.trainer.generation import split_last_reply
 
     if args.data is None:
-        content = [{"type": "image", "image": str(Path(p).resolve())} for p in args.image]
+        content = [{"type": "video", "video": str(Path(p).resolve())} for p in args.video]
+        content += [{"type": "image", "image": str(Path(p).resolve())} for p in args.image]
         return [([{"role": "user", "content": [*content, {"type": "text", "text": args.prompt}]}], None, None, "all")]
     source = load_conversations(args.data)
     tasks = source.column("task") or []
@@ -140,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if (args.data is None) == (args.prompt is None):
-        print("give --data FILE, or --prompt TEXT (with --image files)", file=sys.stderr)
+        print("give --data FILE, or --prompt TEXT (with --image / --video files)", file=sys.stderr)
         return 2
     if not Path(args.path).exists() and args.path.count("/") != 1:  # org/name: a hub checkpoint
         raise FileNotFoundError(f"no checkpoint folder {args.path} (a run's final/ or step-N/hf, or an adapter folder)")

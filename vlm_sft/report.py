@@ -82,6 +82,11 @@ def format_report(report: dict) -> str:
         f"  padding tokens    {report['padding_tokens']:>10}",
         f"  packing efficiency{report['packing_efficiency']:>10.4f}",
         f"  images            {report['images']:>10}",
+        *(
+            [f"  videos            {report['videos']:>10} ({report['video_tokens']} video tokens)"]
+            if report.get("videos")
+            else []
+        ),
         "  patches per pack  min {min} / median {median} / max {max}".format(**report["patches_per_pack"]),
     ]
     return "\n".join(lines)

@@ -24,6 +24,7 @@ from renderers import (
     served_probes,
 )
 from renderers.served import default_thinking_mode, last_reply_reasons, with_thinking_default
+from renderers.video import VideoSettings
 from vlm_sft.config import SHAPES_DATASET, TINY_MODELS, ConfigError, RowFormat, RunConfig, Scoring, SourceConfig
 from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.mixture import ConcatSource, Mixture, MixturePart
@@ -71,7 +72,28 @@ def build_renderer(cfg: RunConfig, processor: Any):
         loss_on=cfg.data.loss_on,
         special_text=cfg.data.special_text,
         enable_thinking=cfg.data.enable_thinking,
+        video_settings=video_settings(cfg, processor),
     )
+
+
+def video_settings(cfg: RunConfig, processor: Any) -> VideoSettings:
+    """The checkpoint's video processor settings with the run's ``data.video_*`` overrides."""
+    data = cfg.data
+    changes = {
+        "fps": data.video_fps,
+        "min_frames": data.video_min_frames,
+        "max_frames": data.video_max_frames,
+        "max_pixels": data.video_max_pixels,
+        "min_pixels": data.video_min_pixels,
+        "max_video_tokens": data.video_max_frame_tokens,
+    }
+    if data.video_max_frame_tokens is not None:
+        changes["cap_pixels_per_frame"] = True
+    base = VideoSettings.from_processor(processor.video_processor.to_dict())
+    try:
+        return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+    except ValueError as e:
+        raise ConfigError(f"data.video_*: {e} (the checkpoint's video processor gives {base})") from e
 
 
 THINKING_PROBE_ROWS = 256

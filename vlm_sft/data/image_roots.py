@@ -1,9 +1,11 @@
-"""Where a dataset may read images from: paths resolve against one root and must stay inside the allowed folders.
+"""Where a dataset may read images and videos from: paths resolve against one root and must stay inside the allowed
+folders.
 
 A dataset row is untrusted input. Without a policy a row holding ``"../../../../etc/hostname"`` or
 ``"/root/.ssh/id_rsa"`` makes the renderer open that file (and, if it decodes, train on it). So every image given
 as a path (a plain string, a ``file://`` URI, a ``{"bytes": None, "path": ...}`` dict, the ``image`` / ``url`` /
-``path`` / ``image_url`` keys of a block) is:
+``path`` / ``image_url`` keys of a block; a video block's ``video`` / ``video_url`` / ``path`` / ``url``, each frame
+of a frame list included) is:
 
 1. resolved: a relative path joins the root (by default the data file's folder, not the working directory, so a
    dataset means the same thing wherever training is started from);
@@ -34,6 +36,9 @@ _FILE_URI = "file://"
 _IMAGE_BLOCK_TYPES = frozenset({"image", "image_url", "input_image"})
 """Block types the renderer reads an image from (and untyped blocks, when they carry an image key)."""
 _PATH_KEYS = ("image", "url", "path")
+_VIDEO_BLOCK_TYPES = frozenset({"video", "video_url", "input_video"})
+"""Block types the renderer reads a video from (and untyped blocks with a ``video`` key)."""
+_VIDEO_PATH_KEYS = ("video", "path", "url")
 
 
 @dataclass(frozen=True)
@@ -98,11 +103,31 @@ class ImageRoots:
             self.check_path(os.path.abspath(value), shown=value)
         return value
 
+    def resolve_video(self, source: Any) -> Any:
+        """A video source (a path, a ``{"bytes", "path"}`` dict, or a list of frame sources) resolved and checked."""
+        if isinstance(source, list | tuple):
+            return [self.resolve(frame) for frame in source]
+        return self.resolve(source)
+
+    def _resolve_video_block(self, block: Mapping) -> dict:
+        out = dict(block)
+        for key in _VIDEO_PATH_KEYS:
+            if out.get(key) is not None:
+                out[key] = self.resolve_video(out[key])
+        url = out.get("video_url")
+        if isinstance(url, Mapping) and url.get("url") is not None:
+            out["video_url"] = {**url, "url": self.resolve_video(url["url"])}
+        elif url is not None:
+            out["video_url"] = self.resolve_video(url)
+        return out
+
     def resolve_block(self, block: Any) -> Any:
-        """A content block with every image path in it resolved and checked (non-image blocks unchanged)."""
+        """A content block with every image or video path in it resolved and checked (text blocks unchanged)."""
         if not isinstance(block, Mapping):
             return block
         kind = block.get("type")
+        if (isinstance(kind, str) and kind in _VIDEO_BLOCK_TYPES) or (kind is None and block.get("video") is not None):
+            return self._resolve_video_block(block)
         if kind is not None and (not isinstance(kind, str) or kind not in _IMAGE_BLOCK_TYPES):
             return block
         out = dict(block)

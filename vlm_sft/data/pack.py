@@ -84,6 +84,14 @@ class Pack:
     def num_images(self) -> int:
         return sum(s.num_images for s in self.samples)
 
+    @property
+    def num_videos(self) -> int:
+        return sum(s.num_videos for s in self.samples)
+
+    @property
+    def num_video_tokens(self) -> int:
+        return sum(s.num_video_tokens for s in self.samples)
+
 
 class Packer(ABC):
     """Base of the streaming packers (see the module docstring for the protocol)."""

@@ -363,12 +363,12 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
 
     Returns ``samples_seen``, ``samples_packed``, ``skipped`` ``{reason: {count, examples}}``, ``packs``, ``rows``,
     ``real_tokens``, ``trainable_tokens``, ``padding_tokens``, ``capacity_tokens``, ``packing_efficiency`` (real /
-    capacity), ``images``, ``patches_per_pack`` ``{min, median, max}`` and ``pack_len``; for a mixture also
+    capacity), ``images``, ``videos``, ``video_tokens``, ``patches_per_pack`` ``{min, median, max}`` and ``pack_len``; for a mixture also
     ``sources`` ``{name: {seen, packed, skipped, samples_skipped, buffered, real_tokens, trainable_tokens}}``.
     """
     if pipeline.epochs is None:
         raise ValueError("summarize_pass needs a finite pipeline: set epochs to an integer")
-    packs = rows = real = trainable = capacity = images = packed = 0
+    packs = rows = real = trainable = capacity = images = videos = video_tokens = packed = 0
     patches: list[int] = []
     for pack in pipeline:
         packs += 1
@@ -377,6 +377,8 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
         trainable += pack.num_trainable_tokens
         capacity += pack.capacity
         images += pack.num_images
+        videos += pack.num_videos
+        video_tokens += pack.num_video_tokens
         packed += len(pack.samples)
         patches.append(pack.num_patches)
     accounting = pipeline.accounting
@@ -396,6 +398,8 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
         "packing_efficiency": real / capacity if capacity else 0.0,
         **({"sources": {n: c.to_dict() for n, c in accounting.sources.items()}} if accounting.sources else {}),
         "images": images,
+        "videos": videos,
+        "video_tokens": video_tokens,
         "patches_per_pack": {
             "min": min(patches, default=0),
             "median": statistics.median(patches) if patches else 0,

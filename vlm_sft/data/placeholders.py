@@ -1,5 +1,5 @@
-"""Images vs placeholders: one rule for every row schema (``vlm_sft.data.schemas``), so the same images land in the
-same places whatever the data's shape.
+"""Images (and videos) vs placeholders: one rule for every row schema (``vlm_sft.data.schemas``), so the same images
+land in the same places whatever the data's shape.
 
 A placeholder is an ``<image>`` marker in a turn's text (string content or a text block) or a bare image block
 (``{"type": "image"}`` with no source; with an ``index``, it names its image). Given the row's images (its images
@@ -13,12 +13,12 @@ column, in order):
   with no user turn to put them in.
 
 Image blocks that carry their own source (a path, bytes, a data URI) are not placeholders; their paths go through the
-image-root policy here too.
+image-root policy here too. Videos follow the same rule on their own: ``<video>`` markers and bare video blocks take
+the row's videos column (LLaVA-Video's ShareGPT rows), and unmarked videos go before the first user turn's text.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +29,8 @@ from vlm_sft.data.image_roots import ImageRoots
 
 IMAGE_MARKER = "<image>"
 """The ShareGPT / LLaVA image placeholder in message text."""
+VIDEO_MARKER = "<video>"
+"""The ShareGPT / LLaVA-Video video placeholder in message text."""
 
 REASON_MORE_PLACEHOLDERS = "more_placeholders_than_images"
 """Skip: a row with more ``<image>`` markers / image blocks than images."""
@@ -39,8 +41,32 @@ REASON_BAD_IMAGE_INDEX = "image_index_out_of_range"
 REASON_NO_USER_TURN = "images_without_user_turn"
 """Skip: a row with images but no placeholder and no user turn to put them in."""
 
-_MARKER_RE = re.compile(re.escape(IMAGE_MARKER))
 _SOURCE_KEYS = ("image", "url", "path", "base64", "image_url")
+_VIDEO_SOURCE_KEYS = ("video", "url", "path", "video_url")
+
+
+@dataclass(frozen=True)
+class _Kind:
+    """What the rule is applied to: images or videos (their marker, block type and skip reasons)."""
+
+    name: str
+    marker: str
+    source_keys: tuple[str, ...]
+    more_placeholders: str
+    unplaced: str
+    bad_index: str
+    no_user_turn: str
+
+
+_IMAGES = _Kind(
+    "image", IMAGE_MARKER, _SOURCE_KEYS,
+    REASON_MORE_PLACEHOLDERS, REASON_UNPLACED_IMAGES, REASON_BAD_IMAGE_INDEX, REASON_NO_USER_TURN,
+)  # fmt: skip
+_VIDEOS = _Kind(
+    "video", VIDEO_MARKER, _VIDEO_SOURCE_KEYS,
+    "more_placeholders_than_videos", "videos_without_placeholders", "video_index_out_of_range",
+    "videos_without_user_turn",
+)  # fmt: skip
 
 
 @dataclass
@@ -52,42 +78,54 @@ class _Placeholder:
     index: int | None
 
 
-def place_images(messages: list[dict], images: list, roots: ImageRoots) -> list[dict]:
+def place_images(messages: list[dict], images: list, roots: ImageRoots, videos: list | None = None) -> list[dict]:
     """The messages with every placeholder (``<image>`` marker, bare image block) filled from ``images``, or the
-    images in front of the first user turn when there is none (the module docstring's rule); inline image sources
-    resolved through ``roots``. A mismatch raises ``RenderError`` with its own reason."""
-    messages, slots = _find_placeholders(messages, roots)
+    images in front of the first user turn when there is none (the module docstring's rule), then the same for
+    ``videos``; inline image and video sources resolved through ``roots``. A mismatch raises ``RenderError`` with its
+    own reason."""
+    messages = _place(messages, images, roots, _IMAGES)
+    return _place(messages, videos or [], roots, _VIDEOS)
+
+
+def _place(messages: list[dict], items: list, roots: ImageRoots, kind: _Kind) -> list[dict]:
+    messages, slots = _find_placeholders(messages, roots, kind)
     if not slots:
-        return _front_load(messages, images) if images else messages
+        return _front_load(messages, items, kind) if items else messages
+    plural = f"{kind.name}s"
     for slot in slots:
-        if slot.index is not None and not 0 <= slot.index < len(images):
+        if slot.index is not None and not 0 <= slot.index < len(items):
             raise RenderError(
-                REASON_BAD_IMAGE_INDEX, f"an image block names index {slot.index}; the row has {len(images)} images"
+                kind.bad_index, f"{_a(kind.name)} block names index {slot.index}; the row has {len(items)} {plural}"
             )
-    if len(slots) > len(images):
+    if len(slots) > len(items):
         raise RenderError(
-            REASON_MORE_PLACEHOLDERS, f"{len(slots)} {IMAGE_MARKER} markers / image blocks but {len(images)} images"
+            kind.more_placeholders, f"{len(slots)} {kind.marker} markers / {kind.name} blocks but {len(items)} {plural}"
         )
-    if len(slots) < len(images):
+    if len(slots) < len(items):
         raise RenderError(
-            REASON_UNPLACED_IMAGES,
-            f"{len(slots)} {IMAGE_MARKER} markers / image blocks for {len(images)} images: mark every image or none",
+            kind.unplaced,
+            f"{len(slots)} {kind.marker} markers / {kind.name} blocks for {len(items)} {plural}: mark every "
+            f"{kind.name} or none",
         )
-    following = iter(range(len(images)))
+    following = iter(range(len(items)))
     for slot in slots:
-        image = images[slot.index if slot.index is not None else next(following)]
-        messages[slot.message]["content"][slot.block] = {"type": "image", "image": image}
+        item = items[slot.index if slot.index is not None else next(following)]
+        messages[slot.message]["content"][slot.block] = {"type": kind.name, kind.name: item}
     return messages
 
 
-def _find_placeholders(messages: list[dict], roots: ImageRoots) -> tuple[list[dict], list[_Placeholder]]:
-    """Markers split out of the text into placeholder blocks; inline image sources resolved."""
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[0] in "aeiou" else f"a {noun}"
+
+
+def _find_placeholders(messages: list[dict], roots: ImageRoots, kind: _Kind) -> tuple[list[dict], list[_Placeholder]]:
+    """Markers split out of the text into placeholder blocks; inline sources resolved."""
     out: list[dict] = []
     slots: list[_Placeholder] = []
     for i, m in enumerate(messages):
         content = m.get("content")
         if isinstance(content, str):
-            if IMAGE_MARKER not in content:
+            if kind.marker not in content:
                 out.append(m)
                 continue
             content = [{"type": "text", "text": content}]
@@ -96,8 +134,8 @@ def _find_placeholders(messages: list[dict], roots: ImageRoots) -> tuple[list[di
             continue
         blocks: list = []
         for block in content:
-            for piece in _split_markers(block):
-                if _is_placeholder(piece):
+            for piece in _split_markers(block, kind):
+                if _is_placeholder(piece, kind):
                     index = piece.get("index")
                     slots.append(_Placeholder(i, len(blocks), index if isinstance(index, int) else None))
                     blocks.append(piece)
@@ -107,36 +145,36 @@ def _find_placeholders(messages: list[dict], roots: ImageRoots) -> tuple[list[di
     return out, slots
 
 
-def _split_markers(block: Any) -> list:
-    """A text block holding ``<image>`` markers as text / bare image blocks; anything else unchanged."""
+def _split_markers(block: Any, kind: _Kind) -> list:
+    """A text block holding markers as text / bare placeholder blocks; anything else unchanged."""
     if not (isinstance(block, Mapping) and block.get("type", "text") == "text" and isinstance(block.get("text"), str)):
         return [block]
     text = block["text"]
-    if IMAGE_MARKER not in text:
+    if kind.marker not in text:
         return [block]
     pieces: list = []
-    for k, part in enumerate(_MARKER_RE.split(text)):
+    for k, part in enumerate(text.split(kind.marker)):
         if k:
-            pieces.append({"type": "image"})
+            pieces.append({"type": kind.name})
         if part:
             pieces.append({"type": "text", "text": part})
     return pieces
 
 
-def _is_placeholder(block: Any) -> bool:
+def _is_placeholder(block: Any, kind: _Kind) -> bool:
     return (
         isinstance(block, Mapping)
-        and block.get("type") == "image"
-        and not any(block.get(k) is not None for k in _SOURCE_KEYS)
+        and block.get("type") == kind.name
+        and not any(block.get(k) is not None for k in kind.source_keys)
     )
 
 
-def _front_load(messages: list[dict], images: list) -> list[dict]:
-    """The images in front of the first user turn's text."""
+def _front_load(messages: list[dict], items: list, kind: _Kind) -> list[dict]:
+    """The items in front of the first user turn's content (videos before images when both are unmarked)."""
     for i, m in enumerate(messages):
         if m.get("role") == "user":
             content = m.get("content")
-            text = string_content_to_blocks(content if content is not None else "")
-            messages[i] = {**m, "content": [*({"type": "image", "image": img} for img in images), *text]}
+            rest = string_content_to_blocks(content if content is not None else "")
+            messages[i] = {**m, "content": [*({"type": kind.name, kind.name: x} for x in items), *rest]}
             return messages
-    raise RenderError(REASON_NO_USER_TURN, f"{len(images)} images but no user turn to put them in")
+    raise RenderError(kind.no_user_turn, f"{len(items)} {kind.name}s but no user turn to put them in")

@@ -71,6 +71,7 @@ TURN_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 """Where each turn-list schema keeps its turns by default."""
 IMAGE_COLUMNS = ("images", "image")
+VIDEO_COLUMNS = ("videos", "video")
 QUESTION_COLUMNS = ("question", "query", "prompt", "instruction")
 ANSWER_COLUMNS = ("answer", "answers", "label", "response")
 
@@ -135,6 +136,8 @@ class Schema:
     """``qa``: the options' column (``options.LETTER_COLUMNS``: one column per letter), None for open questions."""
     images: tuple[str, ...] = IMAGE_COLUMNS
     """Columns looked in for the row's images, in order (the first that is set)."""
+    videos: tuple[str, ...] = VIDEO_COLUMNS
+    """Columns looked in for the row's videos, in order (the first that is set)."""
     system: str | None = "system"
     """Column of a system prompt (used where a row has it)."""
     role_key: str | None = None
@@ -297,19 +300,20 @@ class RowConverter:
             schema = self.schema or _row_schema(row)
             read = _READERS[schema.format](row, schema)
             messages = _with_instruction(_with_system(row, schema, read.messages), schema.instruction)
-            messages = place_images(messages, self._column_images(row, schema), self.images)
+            images, videos = self._column(row, schema.images), self._column(row, schema.videos, video=True)
+            messages = place_images(messages, images, self.images, videos)
             tools = normalize_tools(row.get("tools"))
         except RenderError as e:
             raise e.with_index(index) from e
         return Conversation(messages, tools, index, references=read.references, options=read.options)
 
-    def _column_images(self, row: Mapping, schema: Schema) -> list:
-        for column in schema.images:
+    def _column(self, row: Mapping, columns: tuple[str, ...], *, video: bool = False) -> list:
+        """The row's images (or videos) from the first of ``columns`` that is set, each through the root policy."""
+        resolve = self.images.resolve_video if video else self.images.resolve
+        for column in columns:
             value = row.get(column)
             if value is not None:
-                return [
-                    self.images.resolve(v) for v in (value if isinstance(value, list) else [value]) if v is not None
-                ]
+                return [resolve(v) for v in (value if isinstance(value, list) else [value]) if v is not None]
         return []
 
 

@@ -1,5 +1,5 @@
-"""What the trainer will see: the first rows of each training source rendered as text, image placeholders collapsed
-(``<|image_pad|> x 64``) and the trained spans marked (``[TRAIN]...[/TRAIN]``), with the schema each source was read
+"""What the trainer will see: the first rows of each training source rendered as text, image and video placeholders
+collapsed (``<|image_pad|> x 64``, ``<|video_pad|> x 16``) and the trained spans marked (``[TRAIN]...[/TRAIN]``), with the schema each source was read
 as. ``python -m vlm_sft.report --show N`` prints it; a row that cannot train prints its skip reason instead.
 """
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from renderers.errors import RenderError
-from renderers.types import IMAGE_TOKEN_TYPE, RenderedSample
+from renderers.types import RenderedSample
 from vlm_sft.data.schemas import Conversation, RowConverter
 from vlm_sft.data.sources import ConversationSource, render_conversation
 
@@ -18,11 +18,11 @@ TRAIN_OPEN, TRAIN_CLOSE = "[TRAIN]", "[/TRAIN]"
 
 
 def format_sample(sample: RenderedSample, tokenizer: Any) -> str:
-    """The sample's text as its tokens decode, each run of image slots as ``<|image_pad|> x N``, each trained run of
-    tokens between ``TRAIN_OPEN`` and ``TRAIN_CLOSE``."""
+    """The sample's text as its tokens decode, each run of image (video) slots as ``<|image_pad|> x N``
+    (``<|video_pad|> x N``), each trained run of tokens between ``TRAIN_OPEN`` and ``TRAIN_CLOSE``."""
     ids = sample.token_ids.tolist()
     trained = sample.loss_mask.tolist()
-    image = (sample.mm_token_type_ids == IMAGE_TOKEN_TYPE).tolist()
+    image = sample.mm_token_type_ids.tolist()  # 0 text, 1 image slot, 2 video slot
     pieces: list[str] = []
     start = 0
     for end in range(1, len(ids) + 1):
@@ -53,6 +53,8 @@ def show_source(name: str, source: Any, renderer: Any, count: int) -> str:
         header = (
             f"--- row {index}: {len(sample)} tokens, {int(sample.loss_mask.sum())} trained, {sample.num_images} images"
         )
+        if sample.num_videos:
+            header += f", {sample.num_videos} videos"
         references = f" (reference answers: {list(conversation.references)})" if conversation.references else ""
         lines += [header + references, format_sample(sample, renderer.tokenizer)]
     return "\n".join(lines)

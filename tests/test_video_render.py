@@ -1,0 +1,215 @@
+"""Video through the renderer and the data path: the tokens and pixels transformers' processor makes for the same
+conversation, a trained sample that never trains a video token, rows with a videos column, packing and truncation.
+
+The processor references come from ``tools/make_video_references.py`` (``tests/test_video_processor.py`` holds the
+preprocessing to them step by step); here the whole renderer is held to them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_video_processor import FIXTURES, REFERENCES, TENSORS, case_settings, case_source
+
+from renderers import Qwen3_5Renderer, RenderError
+from renderers.types import VIDEO_TOKEN_TYPE
+from renderers.video import VideoSettings
+from renderers.vision_items import transformers_inputs
+from vlm_sft.data.collate import collate
+from vlm_sft.data.image_roots import ImageRoots
+from vlm_sft.data.pack import Pack
+from vlm_sft.data.schemas import RowConverter, detect_schema
+from vlm_sft.data.shift import shift_sample
+from vlm_sft.data.truncate import truncate_sample
+
+SMALL = VideoSettings(min_pixels=1024, max_pixels=16384)
+CLIP = str(FIXTURES / "a_64x48_24fps.mp4")
+
+
+def video_block(case: dict) -> dict:
+    block = {"type": "video", "video": case_source(case)}
+    return block | ({"fps": case["frame_fps"]} if "frame_fps" in case else {})
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCES))
+def test_rendered_prompt_equals_the_processor(name, processor):
+    """ids, slot types, pixels and grid exactly as ``Qwen3VLProcessor`` (template + videos) returns them."""
+    case = REFERENCES[name]
+    renderer = Qwen3_5Renderer(processor, video_settings=case_settings(case))
+    messages = [{"role": "user", "content": [video_block(case), {"type": "text", "text": "What moves?"}]}]
+    sample = renderer.render_prompt(messages, thinking=case["prompt"].endswith("<think>\n"))
+    sample.check()
+    assert sample.metadata["text"].startswith(case["prompt"].split("<|vision_start|>")[0])
+    np.testing.assert_array_equal(sample.token_ids.numpy(), TENSORS[f"{name}.input_ids"])
+    np.testing.assert_array_equal(sample.mm_token_type_ids.numpy(), TENSORS[f"{name}.mm_token_type_ids"])
+    theirs = transformers_inputs(sample.multi_modal_data)
+    assert theirs["video_grid_thw"].tolist() == [case["video_grid_thw"]]
+    assert torch.equal(theirs["pixel_values_videos"], torch.from_numpy(TENSORS[f"{name}.pixel_values_videos"]))
+    assert "pixel_values" not in theirs
+
+
+@pytest.fixture(scope="module")
+def small_renderer(processor):
+    return Qwen3_5Renderer(processor, video_settings=SMALL)
+
+
+def mixed_conversation(image_path: str) -> list[dict]:
+    return [
+        {"role": "user", "content": [{"type": "image", "image": image_path}, {"type": "text", "text": "and"}]},
+        {"role": "assistant", "content": "a square"},
+        {"role": "user", "content": [{"type": "video", "video": CLIP}, {"type": "text", "text": "What moves?"}]},
+        {"role": "assistant", "content": "the red square"},
+    ]
+
+
+def test_a_trained_sample_keeps_every_video_token_out_of_the_loss(small_renderer, image_files):
+    sample = small_renderer.render(mixed_conversation(image_files[0]))
+    sample.check()
+    mm = sample.multi_modal_data
+    assert mm.num_images == 1 and mm.num_videos == 1 and mm.videos[0].first_item == 1
+    assert mm.item_types() == [1] + [VIDEO_TOKEN_TYPE] * mm.videos[0].num_groups
+    text = small_renderer.tokenizer.decode(sample.token_ids)
+    assert "<0.3 seconds><|vision_start|><|video_pad|>" in text and "<|vision_start|><0.3" not in text
+    trained = small_renderer.tokenizer.decode(sample.token_ids[sample.loss_mask])
+    assert trained == "a square<|im_end|><think>\n\n</think>\n\nthe red square<|im_end|>"  # the template's last turn
+
+
+def test_a_packed_batch_of_video_samples_keeps_the_contract(small_renderer, image_files):
+    """Two video samples and an image sample in one row: positions per segment equal each sample's own."""
+    samples = [small_renderer.render(mixed_conversation(image_files[k]), sample_index=k) for k in range(2)]
+    samples.append(
+        small_renderer.render([mixed_conversation(image_files[2])[0], {"role": "assistant", "content": "x"}])
+    )
+    shifted = [shift_sample(s) for s in samples]
+    batch = collate([Pack(rows=(tuple(shifted),), row_len=sum(len(s) for s in shifted) + 5)])
+    batch.check(positions=True)
+    assert batch.num_images == sum(s.multi_modal_data.num_items for s in samples)
+    assert sum(s.num_videos for s in shifted) == 2 and shifted[0].num_video_tokens > 0
+
+
+def test_truncation_between_groups_keeps_the_earlier_groups_and_their_times(small_renderer):
+    sample = small_renderer.render(
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": [{"type": "video", "video": CLIP}, {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "x"},
+        ]
+    )
+    video = sample.multi_modal_data.videos[0]
+    assert video.num_groups == 2
+    second = sample.multi_modal_data.placeholders[1]
+    cut = truncate_sample(sample, second.offset + 1, policy="truncate")  # inside the second group
+    cut.check()
+    mm = cut.multi_modal_data
+    assert len(cut) == second.offset - 1  # back to the second group's <|vision_start|>
+    assert mm.num_items == 1 and mm.videos[0].num_groups == 1 and mm.videos[0].timestamps == video.timestamps[:1]
+
+
+def test_rows_with_a_videos_column_and_markers(tmp_path):
+    """LLaVA-Video's ShareGPT rows: ``<video>`` in the text, the files in a ``videos`` column, paths confined."""
+    (tmp_path / "clip.mp4").write_bytes((FIXTURES / "a_64x48_24fps.mp4").read_bytes())
+    rows = [
+        {"conversations": [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "red"}],
+         "videos": ["clip.mp4"]},
+        {"conversations": [{"from": "human", "value": "What moves?"}, {"from": "gpt", "value": "red"}],
+         "video": "clip.mp4"},
+        {"conversations": [{"from": "human", "value": "<video><video>"}, {"from": "gpt", "value": "red"}],
+         "videos": ["clip.mp4"]},
+        {"conversations": [{"from": "human", "value": "<video>"}, {"from": "gpt", "value": "red"}],
+         "videos": ["../outside.mp4"]},
+    ]  # fmt: skip
+    convert = RowConverter(detect_schema(["conversations", "videos"]), ImageRoots(str(tmp_path)))
+    marked, unmarked = convert(rows[0], 0), convert(rows[1], 1)
+    expected = [{"type": "video", "video": str(tmp_path / "clip.mp4")}]
+    assert marked.messages[0]["content"][:1] == expected and unmarked.messages[0]["content"][:1] == expected
+    with pytest.raises(RenderError) as err:
+        convert(rows[2], 2)
+    assert err.value.reason == "more_placeholders_than_videos"
+    with pytest.raises(RenderError) as err:
+        convert(rows[3], 3)
+    assert err.value.reason == "image_outside_root"
+    json.dumps(marked.messages)  # plain data, as every row of the pipeline
+
+
+def test_a_video_path_outside_the_root_is_refused_before_it_is_opened(tmp_path):
+    roots = ImageRoots(str(tmp_path))
+    block = {"type": "video", "video": "/etc/hostname"}
+    with pytest.raises(RenderError) as err:
+        roots.resolve_block(block)
+    assert err.value.reason == "image_outside_root"
+    frames = {"type": "video", "video": [str(tmp_path / "ok.png"), "/etc/hostname"], "fps": 2}
+    with pytest.raises(RenderError):
+        roots.resolve_block(frames)
+
+
+@torch.no_grad()
+def test_a_rendered_video_conversation_gives_transformers_logits(small_renderer, image_files):
+    """Renderer to model end to end: our model on our items == transformers' on ``transformers_inputs``."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from vlm_sft.data.mrope import sample_position_ids
+    from vlm_sft.model import build_model, tiny_qwen3_5_config
+
+    cfg = tiny_qwen3_5_config()
+    torch.manual_seed(0)
+    ref = Qwen3_5ForConditionalGeneration(cfg).eval()
+    ours = build_model(cfg)
+    ours.load_state_dict(ref.state_dict())
+    sample = small_renderer.render(mixed_conversation(image_files[1]))
+    mm = sample.multi_modal_data
+    ids, types = sample.token_ids[None], sample.mm_token_type_ids[None]
+    theirs = ref(input_ids=ids, mm_token_type_ids=types, **transformers_inputs(mm)).logits
+    positions = sample_position_ids(sample.mm_token_type_ids, mm.image_grid_thw)[:, None]
+    mine = ours(ids, position_ids=positions, mm_token_type_ids=types, pixel_values=mm.pixel_values,
+                image_grid_thw=mm.image_grid_thw)  # fmt: skip
+    assert float((mine - theirs).abs().max()) <= 1e-5 and float(theirs.abs().max()) > 0.1
+
+
+def test_a_run_trains_on_video_rows_and_reports_them(tmp_path):
+    """``train.py`` on LLaVA-Video-style rows (``<video>`` markers and a videos column) beside an image row, with
+    the ``data.video_*`` settings: it trains 2 steps, counts every video, and skips a broken clip with its reason."""
+    from train_helpers import read_metrics
+
+    from vlm_sft.report import main as report
+    from vlm_sft.train import main
+
+    (tmp_path / "clips").mkdir()
+    for name in ("a_64x48_24fps.mp4", "b_40x72_30fps.mp4"):
+        (tmp_path / "clips" / name).write_bytes((FIXTURES / name).read_bytes())
+    (tmp_path / "clips" / "broken.mp4").write_bytes((FIXTURES / "a_64x48_24fps.mp4").read_bytes()[:900])
+    row = lambda clip, answer: {  # noqa: E731
+        "conversations": [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": answer}],
+        "videos": [f"clips/{clip}"],
+    }
+    rows = [row("a_64x48_24fps.mp4", "red"), row("b_40x72_30fps.mp4", "blue")] * 4 + [row("broken.mp4", "x")]
+    data = tmp_path / "videos.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = ["--data.video_max_pixels", "16384", "--data.video_min_pixels", "1024", "--data.video_fps", "4"]
+    common = ["--data.source", str(data), "--data.seq_len", "256", "--data.pack_len", "320", *settings]
+    run = tmp_path / "run"
+    train = ["--train.max_steps", "2", "--train.eval_every", "none", "--train.plot", "false", "--train.log_every", "1"]
+    train += ["--data.num_workers", "0"]
+    assert main([*common, *train, "--train.output_dir", str(run), "--data.max_skip_fraction", "0.5"]) == 0
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+    out = tmp_path / "report.json"
+    assert report([*common, "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["videos"] == 8 and summary["video_tokens"] > 0 and summary["images"] == 0
+    assert [e["row"] for e in summary["skipped"]["corrupt_video"]["examples"]] == [8]
+
+
+def test_video_settings_that_contradict_the_checkpoint_are_a_config_error(tmp_path, capsys):
+    from vlm_sft.report import main as report
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]})
+    )
+    # The tiny checkpoint's smallest video is 131072 pixels: a budget below it cannot be met.
+    assert report(["--data.source", str(data), "--data.video_max_pixels", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert "data.video_*" in err and "min_pixels=131072" in err and "Traceback" not in err
