@@ -104,6 +104,15 @@ class VideoSettings:
         """Side of one merged token in pixels: resized sides are multiples of it."""
         return self.patch_size * self.merge_size
 
+    def apply_to(self, video_processor: Any) -> None:
+        """Write these settings into a transformers video processor, so the checkpoint it is saved with samples and
+        sizes videos for a server as training did (the inverse of ``from_processor``)."""
+        from transformers.image_utils import SizeDict
+
+        for name in ("fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens"):
+            setattr(video_processor, name, getattr(self, name))
+        video_processor.size = SizeDict(shortest_edge=self.min_pixels, longest_edge=self.max_pixels)
+
     @classmethod
     def from_processor(cls, video_processor_config: dict[str, Any]) -> VideoSettings:
         """Settings from a checkpoint's video processor config (``video_preprocessor_config.json``, the

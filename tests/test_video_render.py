@@ -195,6 +195,8 @@ def test_a_run_trains_on_video_rows_and_reports_them(tmp_path):
     train += ["--data.num_workers", "0"]
     assert main([*common, *train, "--train.output_dir", str(run), "--data.max_skip_fraction", "0.5"]) == 0
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == [1, 2]
+    saved = json.loads((run / "final" / "processor_config.json").read_text())["video_processor"]
+    assert saved["fps"] == 4 and saved["size"] == {"shortest_edge": 1024, "longest_edge": 16384}  # served as trained
     out = tmp_path / "report.json"
     assert report([*common, "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
@@ -213,3 +215,40 @@ def test_video_settings_that_contradict_the_checkpoint_are_a_config_error(tmp_pa
     assert report(["--data.source", str(data), "--data.video_max_pixels", "4096"]) == 2
     err = capsys.readouterr().err
     assert "data.video_*" in err and "min_pixels=131072" in err and "Traceback" not in err
+
+
+def test_generate_answers_about_a_video(tmp_path, capsys):
+    """``python -m vlm_sft.generate CHECKPOINT --video CLIP --prompt ...``: transformers' ``generate`` on the prompt
+    our renderer builds with the checkpoint's own video settings."""
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    from processors import load_tiny_processor
+    from vlm_sft.generate import main
+    from vlm_sft.model import tiny_qwen3_5_config
+
+    torch.manual_seed(0)
+    Qwen3_5ForConditionalGeneration(tiny_qwen3_5_config()).save_pretrained(tmp_path / "ckpt")
+    processor = load_tiny_processor()
+    SMALL.apply_to(processor.video_processor)
+    processor.save_pretrained(tmp_path / "ckpt")
+    argv = [str(tmp_path / "ckpt"), "--video", CLIP, "--prompt", "What moves?", "--max-new-tokens", "3"]
+    assert main([*argv, "--out", str(tmp_path / "out.jsonl")]) == 0
+    row = json.loads((tmp_path / "out.jsonl").read_text())
+    assert row["index"] == 0 and isinstance(row["reply"], str)
+
+
+def test_the_readme_video_settings_load_and_reach_the_renderer():
+    """The README's ``[data]`` video block, on the default config, reaches the renderer setting by setting."""
+    import tomllib
+
+    from test_snapshots import readme_block
+
+    from vlm_sft.config import load_config
+    from vlm_sft.data.build import build_processor, build_renderer
+
+    settings = tomllib.loads(readme_block("toml", "video_fps"))["data"]
+    cfg = load_config(overrides=[f"--data.{k}={v}" for k, v in settings.items()])
+    renderer = build_renderer(cfg, build_processor(cfg))
+    settings = renderer.video_settings
+    assert (settings.fps, settings.min_frames, settings.max_frames) == (2, 4, 64)
+    assert (settings.max_pixels, settings.cap_pixels_per_frame, settings.max_video_tokens) == (1048576, True, 256)

@@ -47,9 +47,10 @@ logger = logging.getLogger(__name__)
 
 def build_processor(cfg: RunConfig) -> Any:
     """The tiny offline processor for the tiny presets, else the checkpoint's own (no torchvision needed), with its
-    chat template's ``enable_thinking`` default set to ``data.enable_thinking`` where it differs: the run's processor
-    is the one its checkpoints save, so a server calling their template with no arguments prompts the way the run
-    trained (``renderers.served``)."""
+    chat template's ``enable_thinking`` default set to ``data.enable_thinking`` where it differs and its video
+    processor set to the ``data.video_*`` settings: the run's processor is the one its checkpoints save, so a server
+    calling their template with no arguments prompts, and samples videos, the way the run trained
+    (``renderers.served``)."""
     processor = (
         load_tiny_processor() if cfg.model.name_or_path in TINY_MODELS else load_processor(cfg.model.name_or_path)
     )
@@ -63,6 +64,10 @@ def build_processor(cfg: RunConfig) -> Any:
         )
         template = with_thinking_default(processor.chat_template, cfg.data.enable_thinking)
         processor.chat_template = processor.tokenizer.chat_template = template
+    settings = video_settings(cfg, processor)
+    if settings != VideoSettings.from_processor(processor.video_processor.to_dict()):
+        logger.info("video: %s in this run's checkpoints (data.video_*)", settings)
+        settings.apply_to(processor.video_processor)
     return processor
 
 
@@ -72,12 +77,12 @@ def build_renderer(cfg: RunConfig, processor: Any):
         loss_on=cfg.data.loss_on,
         special_text=cfg.data.special_text,
         enable_thinking=cfg.data.enable_thinking,
-        video_settings=video_settings(cfg, processor),
     )
 
 
 def video_settings(cfg: RunConfig, processor: Any) -> VideoSettings:
-    """The checkpoint's video processor settings with the run's ``data.video_*`` overrides."""
+    """The checkpoint's video processor settings with the run's ``data.video_*`` overrides (``build_processor``
+    writes them into the run's processor, which the renderer reads)."""
     data = cfg.data
     changes = {
         "fps": data.video_fps,
