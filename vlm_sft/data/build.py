@@ -83,18 +83,11 @@ def build_renderer(cfg: RunConfig, processor: Any):
 def video_settings(cfg: RunConfig, processor: Any) -> VideoSettings:
     """The checkpoint's video processor settings with the run's ``data.video_*`` overrides (``build_processor``
     writes them into the run's processor, which the renderer reads)."""
-    data = cfg.data
-    changes = {
-        "fps": data.video_fps,
-        "min_frames": data.video_min_frames,
-        "max_frames": data.video_max_frames,
-        "max_pixels": data.video_max_pixels,
-        "min_pixels": data.video_min_pixels,
-        "max_video_tokens": data.video_max_frame_tokens,
-    }
+    data, base = cfg.data, VideoSettings.from_processor(processor.video_processor.to_dict())
+    changes = {"fps": data.video_fps, "min_frames": data.video_min_frames, "max_frames": data.video_max_frames}
+    changes |= {"max_pixels": data.video_max_pixels, "min_pixels": data.video_min_pixels}
     if data.video_max_frame_tokens is not None:
-        changes["cap_pixels_per_frame"] = True
-    base = VideoSettings.from_processor(processor.video_processor.to_dict())
+        changes |= {"cap_pixels_per_frame": True, "max_video_tokens": data.video_max_frame_tokens}
     try:
         return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
     except ValueError as e:
