@@ -60,15 +60,26 @@ def _decode_base64(text: str, origin: str) -> bytes:
         raise RenderError("corrupt_image", f"{origin}: invalid base64 ({e})") from e
 
 
+UNREADABLE_FILE = (FileNotFoundError, IsADirectoryError, PermissionError)
+"""The errors of opening a local file that mean the file is missing for the sample (``missing_file``)."""
+
+
+def missing_file(error: OSError, path: Any, kind: str = "image") -> RenderError:
+    """``missing_<kind>`` naming what is wrong with ``path`` (one of ``UNREADABLE_FILE``)."""
+    if isinstance(error, FileNotFoundError):
+        detail = f"no such {kind} file"
+    elif isinstance(error, IsADirectoryError):
+        detail = f"{kind} path is a directory"
+    else:
+        detail = f"{kind} file not readable"
+    return RenderError(f"missing_{kind}", f"{detail}: {path}")
+
+
 def _read_file(path: str) -> bytes:
     try:
         return Path(path).read_bytes()
-    except FileNotFoundError as e:
-        raise RenderError("missing_image", f"no such image file: {path}") from e
-    except IsADirectoryError as e:
-        raise RenderError("missing_image", f"image path is a directory: {path}") from e
-    except PermissionError as e:
-        raise RenderError("missing_image", f"image file not readable: {path}") from e
+    except UNREADABLE_FILE as e:
+        raise missing_file(e, path) from e
 
 
 def read_image_source(source: Any, key: str = "image") -> RawImage:

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from renderers.errors import RenderError
+from renderers.images import UNREADABLE_FILE, load_raw, missing_file, read_image_source
 from renderers.images import content_hash as image_content_hash
-from renderers.images import load_raw, read_image_source
 
 _IMAGE_TO_VIDEO_REASON = {"missing_image": "missing_video", "remote_image": "remote_video"}
 _IMAGE_TO_VIDEO_REASON |= {"bad_image_source": "bad_video_source"}
@@ -325,12 +325,8 @@ def _open(data: bytes | Path) -> Any:
         return io.BytesIO(data)
     try:
         return data.open("rb")
-    except FileNotFoundError as e:
-        raise RenderError("missing_video", f"no such video file: {data}") from e
-    except IsADirectoryError as e:
-        raise RenderError("missing_video", f"video path is a directory: {data}") from e
-    except PermissionError as e:
-        raise RenderError("missing_video", f"video file not readable: {data}") from e
+    except UNREADABLE_FILE as e:
+        raise missing_file(e, data, "video") from e
 
 
 def _content_hash(data: bytes | Path, origin: str) -> str:
@@ -349,7 +345,7 @@ def _import_av() -> Any:
     try:
         import av
     except ModuleNotFoundError as e:
-        raise ModuleNotFoundError('decoding videos needs PyAV (a dependency of vlm-sft): pip install av') from e
+        raise ModuleNotFoundError("decoding videos needs PyAV (a dependency of vlm-sft): pip install av") from e
     return av
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,39 +109,33 @@ class ImageRoots:
             return [self.resolve(frame) for frame in source]
         return self.resolve(source)
 
-    def _resolve_video_block(self, block: Mapping) -> dict:
-        out = dict(block)
-        for key in _VIDEO_PATH_KEYS:
-            if out.get(key) is not None:
-                out[key] = self.resolve_video(out[key])
-        url = out.get("video_url")
-        if isinstance(url, Mapping) and url.get("url") is not None:
-            out["video_url"] = {**url, "url": self.resolve_video(url["url"])}
-        elif url is not None:
-            out["video_url"] = self.resolve_video(url)
-        return out
-
     def resolve_block(self, block: Any) -> Any:
         """A content block with every image or video path in it resolved and checked (text blocks unchanged)."""
         if not isinstance(block, Mapping):
             return block
         kind = block.get("type")
         if (isinstance(kind, str) and kind in _VIDEO_BLOCK_TYPES) or (kind is None and block.get("video") is not None):
-            return self._resolve_video_block(block)
+            return _resolved(block, _VIDEO_PATH_KEYS, "video_url", self.resolve_video)
         if kind is not None and (not isinstance(kind, str) or kind not in _IMAGE_BLOCK_TYPES):
             return block
-        out = dict(block)
-        for key in _PATH_KEYS:
-            if out.get(key) is not None:
-                out[key] = self.resolve(out[key])
+        out = _resolved(block, _PATH_KEYS, "image_url", self.resolve)
         if out.get("base64") is not None:
             out["base64"] = self.resolve_base64(out["base64"])
-        url = out.get("image_url")
-        if isinstance(url, Mapping) and url.get("url") is not None:
-            out["image_url"] = {**url, "url": self.resolve(url["url"])}
-        elif url is not None:
-            out["image_url"] = self.resolve(url)
         return out
+
+
+def _resolved(block: Mapping, keys: tuple[str, ...], url_key: str, resolve: Callable[[Any], Any]) -> dict:
+    """``block`` with the sources under ``keys`` and under ``url_key`` (a string or ``{"url": ...}``) resolved."""
+    out = dict(block)
+    for key in keys:
+        if out.get(key) is not None:
+            out[key] = resolve(out[key])
+    url = out.get(url_key)
+    if isinstance(url, Mapping) and url.get("url") is not None:
+        out[url_key] = {**url, "url": resolve(url["url"])}
+    elif url is not None:
+        out[url_key] = resolve(url)
+    return out
 
 
 def _absolute(path: str | os.PathLike) -> str:
