@@ -252,3 +252,25 @@ def test_the_readme_video_settings_load_and_reach_the_renderer():
     settings = renderer.video_settings
     assert (settings.fps, settings.min_frames, settings.max_frames) == (2, 4, 64)
     assert (settings.max_pixels, settings.cap_pixels_per_frame, settings.max_video_tokens) == (1048576, True, 256)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_parquet_with_the_hub_video_feature_loads_prepared_and_streamed(tmp_path, streaming):
+    """``datasets.Video`` columns, as the hub stores them: read undecoded (``datasets`` would need torchcodec to
+    decode them) and decoded by the renderer, in both loaders."""
+    import datasets
+
+    from vlm_sft.report import main as report
+
+    turns = datasets.List({"from": datasets.Value("string"), "value": datasets.Value("string")})
+    features = datasets.Features({"videos": datasets.List(datasets.Video()), "conversations": turns})
+    clip = {"bytes": (FIXTURES / "a_64x48_24fps.mp4").read_bytes(), "path": "a.mp4"}
+    conversation = [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "red"}]
+    rows = {"videos": [[clip]] * 3, "conversations": [conversation] * 3}
+    datasets.Dataset.from_dict(rows, features=features).to_parquet(tmp_path / "train.parquet")
+    out = tmp_path / "report.json"
+    settings = ["--data.video_max_pixels", "16384", "--data.video_min_pixels", "1024"]
+    argv = ["--data.source", str(tmp_path / "train.parquet"), "--data.streaming", json.dumps(streaming), *settings]
+    assert report([*argv, "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["videos"] == 3 and summary["samples_packed"] == 3 and not summary["skipped"]

@@ -180,7 +180,8 @@ class StreamedSource:
             folder = Path(path).expanduser()
             root = image_root or str(folder if folder.is_dir() else folder.parent)
             kwargs = {}
-        first = next(iter(open_stream(path, split=split, files=files, load_kwargs=kwargs)), None)
+        stream = open_stream(path, split=split, files=files, load_kwargs=kwargs).decode(False)  # video: no torchcodec
+        first = next(iter(stream), None)
         if first is None:
             raise ValueError(f"{path}: no rows")
         schema = detect_schema(first.keys(), mapping, name=path)

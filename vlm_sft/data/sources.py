@@ -140,14 +140,15 @@ def hub_cache_roots(cache_dir: str | None) -> tuple[str, ...]:
 
 
 def _lazy_images(ds: datasets.Dataset) -> datasets.Dataset:
-    """Cast image columns to ``decode=False``: decoding (and its failures) happens per sample, in the renderer."""
+    """Cast image and video columns to ``decode=False``: decoding (and its failures) happens per sample, in the
+    renderer (``datasets``' own video decoding would need torchcodec)."""
     for name, feature in ds.features.items():
-        if isinstance(feature, datasets.Image) and feature.decode:
-            ds = ds.cast_column(name, datasets.Image(decode=False))
+        if isinstance(feature, datasets.Image | datasets.Video) and feature.decode:
+            ds = ds.cast_column(name, type(feature)(decode=False))
         elif isinstance(feature, datasets.List | datasets.Sequence):
             inner = feature.feature
-            if isinstance(inner, datasets.Image) and inner.decode:
-                ds = ds.cast_column(name, datasets.List(datasets.Image(decode=False)))
+            if isinstance(inner, datasets.Image | datasets.Video) and inner.decode:
+                ds = ds.cast_column(name, datasets.List(type(inner)(decode=False)))
     return ds
 
 
