@@ -229,6 +229,18 @@ def patchify(frames_TCHW: torch.Tensor, settings: VideoSettings) -> tuple[torch.
     return patches.reshape(grid[0] * grid[1] * grid[2], channels * tp * p * p), grid
 
 
+def unpatchify_group(rows: torch.Tensor, grid_hw: tuple[int, int], settings: VideoSettings) -> torch.Tensor:
+    """The inverse of ``patchify`` for one temporal group: ``[h*w, C*tp*p*p]`` rows to its ``[tp, C, H, W]`` uint8
+    frames (denormalized and rounded), for showing what a sample holds."""
+    p, m, tp = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    h, w = grid_hw
+    patches = rows.reshape(h // m, w // m, m, m, -1, tp, p, p).permute(5, 4, 0, 2, 6, 1, 3, 7)
+    frames = patches.reshape(tp, -1, h * p, w * p)
+    mean = torch.tensor(settings.image_mean).view(-1, 1, 1)
+    std = torch.tensor(settings.image_std).view(-1, 1, 1)
+    return ((frames * std + mean) / settings.rescale_factor).round().clamp(0, 255).to(torch.uint8)
+
+
 def group_timestamps(frame_indices: Any, source_fps: float, temporal_patch_size: int) -> tuple[float, ...]:
     """Seconds of each temporal group: the indices padded with the last one to whole groups (as the frames are),
     then the mean of each group's first and last frame time."""

@@ -274,3 +274,33 @@ def test_a_parquet_with_the_hub_video_feature_loads_prepared_and_streamed(tmp_pa
     assert report([*argv, "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["videos"] == 3 and summary["samples_packed"] == 3 and not summary["skipped"]
+
+
+def test_the_notebook_view_shows_the_frames_the_tower_receives(small_renderer):
+    """``viz_video.video_frames`` rebuilds each group's frames from the sample's patch rows: equal to the source's
+    sampled frames resized as the processor resizes them (unpatchify is patchify's inverse)."""
+    import av
+
+    from renderers.video import resize_frames
+    from vlm_sft.viz_video import plot_video, video_frames
+
+    sample = small_renderer.render(
+        [
+            {"role": "user", "content": [{"type": "video", "video": CLIP}, {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "x"},
+        ]
+    )
+    groups = video_frames(sample, SMALL)
+    video = sample.multi_modal_data.videos[0]
+    assert [t for t, _ in groups] == list(video.timestamps) and all(len(f) == 2 for _, f in groups)
+    with av.open(CLIP) as container:
+        source = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    indices = [0, 13, 26, 39]  # tests/fixtures/video/references.json, case upscale_min_frames (same clip and budget)
+    height, width = groups[0][1][0].shape[:2]
+    expected = resize_frames(
+        torch.from_numpy(np.stack([source[i] for i in indices])).permute(0, 3, 1, 2), (height, width)
+    )
+    ours = torch.from_numpy(np.stack([f for _, frames in groups for f in frames])).permute(0, 3, 1, 2)
+    assert int((ours.int() - expected.int()).abs().max()) <= 1  # float32 normalize and back: at most one level
+    assert not torch.equal(ours[0], ours[-1])  # the clip moves: the guard that frames are not all one
+    assert len(plot_video(sample, SMALL).axes) == 2

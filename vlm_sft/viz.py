@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from PIL import Image
 
-from renderers import IMAGE_TOKEN_TYPE, RenderedSample, TextBlock, load_image, normalize_messages
+from renderers import TEXT_TOKEN_TYPE, RenderedSample, TextBlock, load_image, normalize_messages
 from vlm_sft.data.batch import PackedBatch
 from vlm_sft.data.collate import collate
 from vlm_sft.data.mrope import sample_position_ids
@@ -148,11 +148,12 @@ def token_pieces(sample: RenderedSample, tokenizer: Any) -> list[TokenPiece]:
     i = image = 0
     while i < len(ids):
         j = i + 1
-        if types[i] == IMAGE_TOKEN_TYPE:
-            while j < len(ids) and types[j] == IMAGE_TOKEN_TYPE:
+        if types[i] != TEXT_TOKEN_TYPE:
+            while j < len(ids) and types[j] == types[i]:
                 j += 1
             grid = "x".join(str(g) for g in grids[image]) if image < len(grids) else "?"
-            pieces.append(TokenPiece(f"[image {image}: {j - i} slots, grid {grid}]", "image"))
+            what = "image" if types[i] == 1 else "video group"  # 2: one temporal group of a video
+            pieces.append(TokenPiece(f"[{what} {image}: {j - i} slots, grid {grid}]", "image"))
             image += 1
         else:
             kind = "trainable" if mask[i] else ("special" if ids[i] in special else "prompt")
@@ -251,7 +252,7 @@ def plot_pack(batch: PackedBatch, row: int = 0) -> Figure:
     )
     types = batch.mm_token_type_ids[row]
     mask = batch.loss_mask[row].long()
-    is_image = (types == IMAGE_TOKEN_TYPE).long()
+    is_image = (types != TEXT_TOKEN_TYPE).long()
     _strip(fig.add_subplot(grid[1], sharex=ax_seg), is_image, ListedColormap(["white", IMAGE_COLOUR]), "image", 1)
     _strip(fig.add_subplot(grid[2], sharex=ax_seg), mask, ListedColormap(["white", TRAINABLE_COLOUR]), "loss", 1)
     ax_pos = fig.add_subplot(grid[3], sharex=ax_seg)
@@ -271,10 +272,10 @@ def plot_pack(batch: PackedBatch, row: int = 0) -> Figure:
 def _plot_segment_positions(ax, batch: PackedBatch, row: int, segments, context: int = 6) -> None:
     """Zoom: t / h / w around the image runs of the first sample that has images, values written on the slots."""
     types = batch.mm_token_type_ids[row]
-    has_image = [i is not None and bool((types[s:e] == IMAGE_TOKEN_TYPE).any()) for s, e, i in segments]
+    has_image = [i is not None and bool((types[s:e] != TEXT_TOKEN_TYPE).any()) for s, e, i in segments]
     chosen = next((seg for seg, yes in zip(segments, has_image, strict=True) if yes), None)
     s, e, idx = chosen if chosen is not None else segments[0]
-    image = (types[s:e] == IMAGE_TOKEN_TYPE).nonzero().flatten().tolist()
+    image = (types[s:e] != TEXT_TOKEN_TYPE).nonzero().flatten().tolist()
     lo = max(0, image[0] - context) if image else 0
     hi = min(e - s, image[-1] + context + 1) if image else min(e - s, 4 * context)
     pos = batch.position_ids[:, row, s + lo : s + hi]
