@@ -108,8 +108,9 @@ def test_loading_a_bf16_checkpoint_holds_at_most_twice_its_size_per_rank(dry_run
 
 def test_plan_of_an_unsharded_model_is_its_parameters_grads_and_adamw():
     """One CPU process: the shard is the whole model; gradients and AdamW state only for what trains."""
-    from vlm_sft.checks.memory_plan import ModelCounts, StepShape, plan
+    from vlm_sft.checks.memory_plan import StepShape, plan
     from vlm_sft.checks.memory_report import local_shard
+    from vlm_sft.checks.model_counts import ModelCounts
     from vlm_sft.model import build_model
     from vlm_sft.model.presets import tiny_qwen3_5_config
 

@@ -12,7 +12,8 @@ the parallel package, then the model; the data package beside them.
   checks.
 - The data report and the packing check do not import the trainer. Nothing below the top imports an entry point,
   and no module imports itself back, directly or through others
-  (``test_no_import_circles``; lazy imports inside functions count, imports for type annotations only do not).
+  (``test_no_import_circles``; lazy imports inside functions and imports for type annotations only, under
+  ``if TYPE_CHECKING:``, count too: a circle of annotations is still two modules that cannot be read apart).
 """
 
 from __future__ import annotations
@@ -97,18 +98,18 @@ def test_only_the_parallel_package_imports_torch_distributed():
     assert not bad, bad
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = REPO_ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
-    """Module -> the modules of ``sources`` it imports when it runs (``from a.b import c`` names ``a.b.c`` when that is
-    a module, else ``a.b``); imports for type annotations only (``if TYPE_CHECKING:``) are not edges."""
-    graph = {}
-    for module, source in sources.items():
-        graph[module] = {n for n in imported_modules(source, with_type_checking=False) if n in sources and n != module}
-    return graph
+    """Module -> the modules of ``sources`` it imports (``from a.b import c`` names ``a.b.c`` when that is a module,
+    else ``a.b``), lazily or for type annotations only (``if TYPE_CHECKING:``) included."""
+    return {
+        module: {n for n in imported_modules(source) if n in sources and n != module}
+        for module, source in sources.items()
+    }
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -148,6 +149,26 @@ def test_the_checks_can_fail():
     assert find_cycle(graph) == ["a", "b", "c", "a"]
     assert find_cycle(import_graph({"a": "import b", "b": "", "c": "import a"})) is None
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\n"
-    assert find_cycle(import_graph({"a": "import b", "b": typed})) is None
+    assert find_cycle(import_graph({"a": "import b", "b": typed})) == ["a", "b", "a"]
     assert any(_matches(n, TORCH_DISTRIBUTED) for n in imported_modules("import torch.distributed as dist"))
     assert any(_matches(n, TORCH_DISTRIBUTED) for n in imported_modules("from torch.distributed.tensor import DTensor"))
+
+
+def test_a_circle_of_type_annotations_only_is_found(tmp_path):
+    """A package tree on disk whose only circle is two ``if TYPE_CHECKING:`` imports (the shape of the old
+    ``model.decode`` <-> ``model.vlm`` one): the scan that ``test_no_import_circles`` runs reports it; with the
+    annotation imports left out (the old rule) it would see none."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "cache.py").write_text(
+        "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from pkg.model import Model\n"
+    )
+    (package / "model.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from pkg import cache\n")
+    (package / "other.py").write_text("from pkg.cache import x\n")
+    sources = {module_name(p, tmp_path): p.read_text() for p in sorted(package.rglob("*.py"))}
+    assert find_cycle(import_graph(sources)) == ["pkg.cache", "pkg.model", "pkg.cache"]
+    without_annotations = {m: imported_modules(text, with_type_checking=False) for m, text in sources.items()}
+    assert not any(n in sources for n in without_annotations["pkg.cache"] | without_annotations["pkg.model"])
+

@@ -22,16 +22,13 @@ shared expert width.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
+from vlm_sft.checks.model_counts import ModelCounts
 from vlm_sft.model.backends import Backends
 from vlm_sft.model.loss import DEFAULT_CHUNK
 from vlm_sft.model.moe import is_moe_text_config
-
-if TYPE_CHECKING:
-    from vlm_sft.checks.memory_plan import ModelCounts
 
 FP32 = 4
 INT64 = 8

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from vlm_sft.checks.memory_plan import GB, MemoryPlan, ModelCounts, plan, step_shape
+from vlm_sft.checks.memory_plan import GB, MemoryPlan, plan, step_shape
+from vlm_sft.checks.model_counts import ModelCounts
 from vlm_sft.config import RunConfig
 from vlm_sft.parallel.collectives import all_ranks_or_none, all_reduce_sum
 from vlm_sft.parallel.env import DistEnv

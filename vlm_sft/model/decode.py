@@ -31,15 +31,11 @@ D = head dim, V = vocab (logits), W = conv width, K / V = GatedDeltaNet key / va
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from vlm_sft.model.varlen import Segments
-
-if TYPE_CHECKING:
-    from vlm_sft.model.vlm import Qwen3_5VLM
 
 RESERVE_TOKENS = 256
 """Default room each attention layer's k/v buffer gets beyond the longest prompt at the prefill."""
@@ -158,6 +154,21 @@ class DecodeCache:
         ]
         self.prompt_lengths, self.steps, self.prefilled = tuple(prompt_lengths), 0, False
 
+    def check_step(self, input_ids: torch.Tensor, pixel_values, image_grid_thw, num_layers: int) -> None:
+        """Refuse a decode call whose shapes do not continue this cache (before any layer changes it)."""
+        S = self.num_sequences
+        if tuple(input_ids.shape) != (S, 1):
+            raise ValueError(
+                f"decode step: input_ids must be [S, 1] = [{S}, 1] (one new token per prompt of the prefill, in its "
+                f"segment order), got {tuple(input_ids.shape)}; a new batch of prompts needs a new DecodeCache()"
+            )
+        if pixel_values is not None or image_grid_thw is not None:
+            raise ValueError(
+                "decode step: pixel_values / image_grid_thw are given, but decode steps take text tokens only"
+            )
+        if len(self.layers) != num_layers:
+            raise ValueError(f"this cache holds {len(self.layers)} layers but the model has {num_layers}")
+
 
 def next_positions(position_ids: torch.Tensor, seq_lens: torch.Tensor | Sequence[int]) -> list[int]:
     """Host ints ``[S]``: the position of each segment's first generated token, its largest prompt position (over the
@@ -179,64 +190,3 @@ def decode_position_ids(starts: Sequence[int], step: int, device: torch.device |
     ``starts`` is ``next_positions`` of the prefill."""
     pos_S = torch.tensor(starts, dtype=torch.int64) + step
     return pos_S.expand(3, -1)[..., None].to(device or "cpu")
-
-
-def cached_logits(
-    model: Qwen3_5VLM,
-    cache: DecodeCache,
-    input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
-    segments: Segments,
-    pixel_values: torch.Tensor | None,
-    image_grid_thw: torch.Tensor | None,
-    mm_token_type_ids: torch.Tensor | None,
-    unsupported: dict[str, object],
-) -> torch.Tensor:
-    """``Qwen3_5VLM.forward`` with a cache (the inputs already checked there): prefill or decode, logits ``[S, V]``.
-
-    ``unsupported``: the forward's other arguments by name; any that is set (not None / False) is refused.
-    """
-    given = [name for name, value in unsupported.items() if value is not None and value is not False]
-    if given:
-        raise ValueError(f"forward(cache=...) returns next-token logits only; drop {', '.join(given)}")
-    if model.context_parallel.active:
-        raise ValueError(
-            "forward(cache=...) under context parallelism: generate with context parallelism off: "
-            "apply_context_parallel(model, NO_CP) or `with context_parallel_off(model):` "
-            "(vlm_sft.parallel.context_parallel)"
-        )
-    if torch.is_grad_enabled():
-        raise ValueError(
-            "forward(cache=...) with autograd on: the cache would keep every step's graph alive; generate under "
-            "torch.no_grad()"
-        )
-    text = model.model.language_model
-    if cache.prefilled:
-        _check_decode_inputs(cache, input_ids, pixel_values, image_grid_thw, len(text.layers))
-        embeds_TD = text.embed_tokens(input_ids.reshape(-1))  # decode tokens are text: the tower does not run
-    else:
-        mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(-1)
-        embeds_TD = model._merge_vision(text.embed_tokens(input_ids.reshape(-1)), pixel_values, image_grid_thw, mm_T)
-        cache.start([layer.layer_type for layer in text.layers], segments.lengths)
-    hidden_TD, _ = text(embeds_TD, position_ids.reshape(3, -1), segments, model.backends, cache)
-    if cache.prefilled:
-        cache.steps += 1
-        return model.lm_head(hidden_TD)
-    last_S = torch.tensor(segments.lengths).cumsum(0).sub(1).to(hidden_TD.device)
-    logits_SV = model.lm_head(hidden_TD.index_select(0, last_S))
-    cache.prefilled = True
-    return logits_SV
-
-
-def _check_decode_inputs(cache: DecodeCache, input_ids, pixel_values, image_grid_thw, num_layers: int) -> None:
-    """Refuse a decode call whose shapes do not continue ``cache`` (before any layer changes it)."""
-    S = cache.num_sequences
-    if tuple(input_ids.shape) != (S, 1):
-        raise ValueError(
-            f"decode step: input_ids must be [S, 1] = [{S}, 1] (one new token per prompt of the prefill, in its "
-            f"segment order), got {tuple(input_ids.shape)}; a new batch of prompts needs a new DecodeCache()"
-        )
-    if pixel_values is not None or image_grid_thw is not None:
-        raise ValueError("decode step: pixel_values / image_grid_thw are given, but decode steps take text tokens only")
-    if len(cache.layers) != num_layers:
-        raise ValueError(f"this cache holds {len(cache.layers)} layers but the model has {num_layers}")

@@ -32,7 +32,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisio
 
 from renderers.types import TEXT_TOKEN_TYPE, VISION_TOKEN_TYPES
 from vlm_sft.model.backends import Backends, resolve_backends
-from vlm_sft.model.decode import DecodeCache, cached_logits
+from vlm_sft.model.decode import DecodeCache
 from vlm_sft.model.layers import init_text_weights
 from vlm_sft.model.load_balance import RouterStats, router_stats
 from vlm_sft.model.loss import TokenScores, chunked_cross_entropy, token_scores
@@ -179,7 +179,7 @@ class Qwen3_5VLM(nn.Module):
             unsupported = dict(target_ids=target_ids, loss_mask=loss_mask, scores=scores, router_mask=router_mask)
             unsupported |= dict(router_probs_grad=router_probs_grad, routing_only=routing_only)
             images = (pixel_values, image_grid_thw, mm_token_type_ids)
-            return cached_logits(self, cache, input_ids, position_ids, segments, *images, unsupported)
+            return self._cached_logits(cache, input_ids, position_ids, segments, *images, unsupported)
         cp = self.context_parallel
         local = cp.shard if cp.active else (lambda x, dim=0: x)  # under CP: this rank's tokens of the row
         mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(-1)
@@ -209,6 +209,52 @@ class Qwen3_5VLM(nn.Module):
             hidden_TD, self.lm_head.weight, targets_T, mask_T, backend=self.backends.loss
         )
         return LossOutput(loss_sum=loss_sum, num_tokens=count, router=router)
+
+    def _cached_logits(
+        self,
+        cache: DecodeCache,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        segments: Segments,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        mm_token_type_ids: torch.Tensor | None,
+        unsupported: dict[str, object],
+    ) -> torch.Tensor:
+        """``forward`` with a cache (the inputs already checked there): prefill or decode, logits ``[S, V]``.
+
+        ``unsupported``: the forward's other arguments by name; any that is set (not None / False) is refused.
+        """
+        given = [name for name, value in unsupported.items() if value is not None and value is not False]
+        if given:
+            raise ValueError(f"forward(cache=...) returns next-token logits only; drop {', '.join(given)}")
+        if self.context_parallel.active:
+            raise ValueError(
+                "forward(cache=...) under context parallelism: generate with context parallelism off: "
+                "apply_context_parallel(model, NO_CP) or `with context_parallel_off(model):` "
+                "(vlm_sft.parallel.context_parallel)"
+            )
+        if torch.is_grad_enabled():
+            raise ValueError(
+                "forward(cache=...) with autograd on: the cache would keep every step's graph alive; generate under "
+                "torch.no_grad()"
+            )
+        text = self.model.language_model
+        if cache.prefilled:
+            cache.check_step(input_ids, pixel_values, image_grid_thw, len(text.layers))
+            embeds_TD = text.embed_tokens(input_ids.reshape(-1))  # decode tokens are text: the tower does not run
+        else:
+            mm_T = None if mm_token_type_ids is None else mm_token_type_ids.reshape(-1)
+            embeds_TD = self._merge_vision(text.embed_tokens(input_ids.reshape(-1)), pixel_values, image_grid_thw, mm_T)
+            cache.start([layer.layer_type for layer in text.layers], segments.lengths)
+        hidden_TD, _ = text(embeds_TD, position_ids.reshape(3, -1), segments, self.backends, cache)
+        if cache.prefilled:
+            cache.steps += 1
+            return self.lm_head(hidden_TD)
+        last_S = torch.tensor(segments.lengths).cumsum(0).sub(1).to(hidden_TD.device)
+        logits_SV = self.lm_head(hidden_TD.index_select(0, last_S))
+        cache.prefilled = True
+        return logits_SV
 
     def _router_stats(self, logits: list[torch.Tensor], mask_T: torch.Tensor | None, probs_grad: bool):
         if not logits:
