@@ -409,7 +409,8 @@ class Qwen3_5Renderer:
     ) -> RenderedSample:
         """Each image pad and each video group's pad widened to its merged-token count, slot types set (1 image, 2
         video), vision tokens never trained."""
-        items = vision_items(visuals)
+        settings = self.video_settings
+        items = vision_items(visuals, -(-settings.min_frames // settings.temporal_patch_size))
         pad_positions = np.flatnonzero((ids == self.image_token_id) | (ids == self.video_token_id))
         kinds = np.where(ids[pad_positions] == self.video_token_id, 2, 1)
         if len(pad_positions) != len(items.kinds) or not np.array_equal(kinds, items.kinds):

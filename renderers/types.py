@@ -62,6 +62,9 @@ class VideoSpan:
     """Seconds of each group in the source video (the mean of its two frames' times), as the prompt states them."""
     content_hash: str = ""
     """Content hash of the video source (hex)."""
+    min_groups: int = 1
+    """Fewest groups the data path may thin the video to when its sample is too long (``min_frames`` over the
+    temporal patch, never more than it has)."""
 
     @property
     def items(self) -> range:

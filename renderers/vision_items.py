@@ -73,8 +73,9 @@ class VisionItems:
     """Which items are which video's groups."""
 
 
-def vision_items(processed: Sequence[ProcessedImage | ProcessedVideo]) -> VisionItems:
-    """Images stay one item each; a video becomes one item per temporal group (its rows are group-major)."""
+def vision_items(processed: Sequence[ProcessedImage | ProcessedVideo], video_min_groups: int = 1) -> VisionItems:
+    """Images stay one item each; a video becomes one item per temporal group (its rows are group-major).
+    ``video_min_groups``: the fewest groups a too-long sample's video may be thinned to (``VideoSpan.min_groups``)."""
     pixels, grids, hashes, kinds, videos = [], [], [], [], []
     for p in processed:
         if isinstance(p, ProcessedImage):
@@ -85,7 +86,7 @@ def vision_items(processed: Sequence[ProcessedImage | ProcessedVideo]) -> Vision
             continue
         t, h, w = p.grid_thw
         rows = p.pixel_values.numpy() if isinstance(p.pixel_values, torch.Tensor) else np.asarray(p.pixel_values)
-        videos.append(VideoSpan(len(grids), t, tuple(p.timestamps), p.content_hash))
+        videos.append(VideoSpan(len(grids), t, tuple(p.timestamps), p.content_hash, min(video_min_groups, t)))
         for g in range(t):
             pixels.append(rows[g * h * w : (g + 1) * h * w])
             grids.append((1, h, w))

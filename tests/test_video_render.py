@@ -23,7 +23,6 @@ from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.pack import Pack
 from vlm_sft.data.schemas import RowConverter, detect_schema
 from vlm_sft.data.shift import shift_sample
-from vlm_sft.data.truncate import truncate_sample
 
 SMALL = VideoSettings(min_pixels=1024, max_pixels=16384)
 CLIP = str(FIXTURES / "a_64x48_24fps.mp4")
@@ -88,25 +87,6 @@ def test_a_packed_batch_of_video_samples_keeps_the_contract(small_renderer, imag
     batch.check(positions=True)
     assert batch.num_images == sum(s.multi_modal_data.num_items for s in samples)
     assert sum(s.num_videos for s in shifted) == 2 and shifted[0].num_video_tokens > 0
-
-
-def test_truncation_between_groups_keeps_the_earlier_groups_and_their_times(small_renderer):
-    sample = small_renderer.render(
-        [
-            {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello"},
-            {"role": "user", "content": [{"type": "video", "video": CLIP}, {"type": "text", "text": "What?"}]},
-            {"role": "assistant", "content": "x"},
-        ]
-    )
-    video = sample.multi_modal_data.videos[0]
-    assert video.num_groups == 2
-    second = sample.multi_modal_data.placeholders[1]
-    cut = truncate_sample(sample, second.offset + 1, policy="truncate")  # inside the second group
-    cut.check()
-    mm = cut.multi_modal_data
-    assert len(cut) == second.offset - 1  # back to the second group's <|vision_start|>
-    assert mm.num_items == 1 and mm.videos[0].num_groups == 1 and mm.videos[0].timestamps == video.timestamps[:1]
 
 
 def test_rows_with_a_videos_column_and_markers(tmp_path):

@@ -14,6 +14,9 @@ keeps at most ``seq_len + 1`` rendered tokens, and a sample truncated to ``seq_l
 The image block of placeholder range ``r`` is ``[r.offset - 1, r.end + 1)``: the renderer's contract puts
 ``<|vision_start|>`` right before the run and ``<|vision_end|>`` right after it (see ``PlaceholderRange``), so no
 token ids are needed here and the tiny and real vocabularies are handled alike.
+
+Videos are thinned first (``video_fit``: whole groups dropped evenly down to ``data.video_min_frames``); a video the
+cut would still fall inside is a counted skip, ``video_too_long``, never a partial clip.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Literal
 
 from renderers.errors import SkipSample
 from renderers.types import MultiModalData, RenderedSample
+from vlm_sft.data.video_fit import thin_videos
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,8 @@ TruncationPolicy = Literal["drop", "truncate"]
 
 REASON_NO_TRAINABLE = "truncated_no_trainable_tokens"
 """Skip reason: after the cut no target token is trainable any more."""
+REASON_VIDEO_TOO_LONG = "video_too_long"
+"""Skip reason: with every video thinned to its fewest groups the cut still falls inside one (a video is never cut)."""
 REASON_FINAL_TURN = "truncated_final_turn"
 """Skip reason (policy ``drop``): the cut fell inside the last kept trainable turn, losing its closing token."""
 
@@ -60,7 +66,7 @@ def safe_cut(num_tokens: int, keep: int, blocks: list[tuple[int, int]]) -> int:
 
 def slice_multimodal(mm: MultiModalData | None, num_items: int) -> MultiModalData | None:
     """The first ``num_items`` vision items of ``mm`` (pixel rows, grid rows, placeholders and hashes together); a
-    video cut between two groups keeps its earlier groups and their true timestamps."""
+    video is kept or dropped whole (``truncate_sample`` refuses a cut inside one)."""
     if mm is None or num_items == 0:
         return None
     if num_items == mm.num_items:
@@ -101,10 +107,22 @@ def truncate_sample(sample: RenderedSample, seq_len: int, *, policy: TruncationP
     keep = seq_len + 1
     if n <= keep:
         return sample
+    sample = thin_videos(sample, keep)
+    if len(sample) <= keep:
+        return sample
     mm = sample.multi_modal_data
     blocks = image_blocks(mm)
-    cut = safe_cut(n, keep, blocks)
+    cut = safe_cut(len(sample), keep, blocks)
     where = f"{n} tokens cut to {cut} (seq_len={seq_len})"
+    for video in mm.videos if mm is not None else ():
+        first, last = mm.placeholders[video.first_item], mm.placeholders[video.items[-1]]
+        if first.offset - 1 < cut < last.end + 1:
+            raise SkipSample(
+                REASON_VIDEO_TOO_LONG,
+                f"{where}: a video of {video.num_groups} groups (its fewest) does not fit; lower data.video_max_pixels "
+                "or data.video_fps, or raise data.seq_len",
+                sample_index=sample.sample_index,
+            )
     if cut < 2 or not bool(sample.loss_mask[1:cut].any()):
         raise SkipSample(REASON_NO_TRAINABLE, where, sample_index=sample.sample_index)
     if policy == "drop" and bool(sample.loss_mask[cut - 1]) and bool(sample.loss_mask[cut]):
