@@ -32,8 +32,8 @@ class TemplateParityError(RuntimeError):
 
     def __init__(self, field: str, position: int, detail: str) -> None:
         self.field = field
-        """Which output differs: ``token_ids``, ``mm_token_type_ids``, ``loss_mask``, ``pixel_values``, ``image_grid_thw``
-        or ``served_prompt`` (``check_served_prompt``)."""
+        """Which output differs: ``token_ids``, ``mm_token_type_ids``, ``loss_mask``, ``pixel_values``, ``image_grid_thw``,
+        ``served_prompt`` (``check_served_prompt``) or ``served_video`` (``vlm_sft.data.served_video``)."""
         self.position = position
         """First differing index along that output (-1 when only shapes differ)."""
         super().__init__(f"template parity failed on {field} at position {position}: {detail}")

@@ -9,6 +9,7 @@ served the default way it answered 30 of 70 colour questions instead of 70.
 from __future__ import annotations
 
 import pytest
+import torch
 from chat_fixtures import conversations
 
 from processors import load_processor, save_processor
@@ -23,6 +24,7 @@ from renderers.served import (
 )
 from vlm_sft.config import RunConfig
 from vlm_sft.data import build as data_build
+from vlm_sft.data.served_video import VIDEO_PROBE_FPS, check_served_video, video_probe
 
 CASES = list(conversations(["p0", "p1", "p2", "p3", "p4"]))
 
@@ -181,3 +183,51 @@ def test_stable_prefix_trains_only_turns_a_server_prompt_leads_into(image_files,
     trained = _trained_text(stable, processor, messages, tools)
     assert call in trained and answer in trained
     assert trained == _trained_text(every, processor, messages, tools)
+
+
+# ------------------------------------------------------------------------------------------------ video
+
+
+def test_the_video_probe_is_served_as_trained(served):
+    """The saved template's text of the video probe, its wrapper expanded by transformers' own
+    ``Qwen3VLProcessor.replace_video_token`` / ``get_text_with_replacements`` (text only: its video processor needs
+    torchvision), tokenizes to the run's tokens; and ``check_served_video``, which expands with ours, passes."""
+    from transformers.video_utils import VideoMetadata
+
+    _, renderer, saved = served
+    check_served_video(renderer, saved)
+    probe = video_probe()
+    sample = renderer.render(probe)
+    (video,) = sample.multi_modal_data.videos
+    grid = sample.multi_modal_data.image_grid_thw[video.first_item]
+    metadata = VideoMetadata(total_num_frames=4, fps=VIDEO_PROBE_FPS, frames_indices=[0, 1, 2, 3])
+    inputs = {"video_grid_thw": torch.tensor([[video.num_groups, *grid[1:].tolist()]]), "video_metadata": [metadata]}
+    prompt = saved.apply_chat_template(probe[:-1], tokenize=False, add_generation_prompt=True)
+    (theirs,), _ = saved.get_text_with_replacements(
+        [prompt], videos_replacements=[saved.replace_video_token(inputs, 0)]
+    )
+    assert "<0.5 seconds><|vision_start|><|video_pad|>" in theirs and "<2.5 seconds>" in theirs
+    ids = saved.tokenizer(theirs, add_special_tokens=False)["input_ids"]
+    assert sample.token_ids[: len(ids)].tolist() == ids and len(sample.token_ids) > len(ids)
+
+
+@pytest.mark.parametrize(
+    ("written", "error"),
+    [
+        ("<|video_pad|>", "writes the probe's video as '<|video_pad|>'"),  # no wrapper for the processor to expand
+        ("<|vision_start|><0.0 seconds><|video_pad|><|vision_end|>", "not as '<|vision_start|><|video_pad|>"),
+        ("<0.0 seconds><|vision_start|><|video_pad|><|vision_end|>", "token_ids: the run trains"),  # its own time
+    ],
+    ids=["no_wrapper", "timestamp_inside", "timestamp_before"],
+)
+def test_a_template_that_writes_videos_otherwise_fails_the_served_check(served, written, error):
+    """A saved template that writes a video block otherwise than the run's renderer (which keeps the base template)
+    is refused by ``check_served_template``, naming what it wrote or the tokens that differ."""
+    enable_thinking, renderer, saved = served
+    wrapper = "'<|vision_start|><|video_pad|><|vision_end|>'"
+    assert saved.chat_template.count(wrapper) == 1
+    broken = load_processor(saved.tokenizer.name_or_path)
+    broken.chat_template = broken.tokenizer.chat_template = saved.chat_template.replace(wrapper, repr(written))
+    with pytest.raises(TemplateParityError, match="served_video") as err:
+        data_build.check_served_template(run_config(enable_thinking), broken, renderer, [], warn=False)
+    assert error in str(err.value)

@@ -30,6 +30,7 @@ from vlm_sft.data.image_roots import ImageRoots
 from vlm_sft.data.mixture import ConcatSource, Mixture, MixturePart
 from vlm_sft.data.pipeline import IndexOrder, PackingPipeline
 from vlm_sft.data.schemas import RowConverter, RowMapping, Schema, SchemaError, detect_schema
+from vlm_sft.data.served_video import check_served_video
 from vlm_sft.data.shapes import materialize_shapes
 from vlm_sft.data.snapshots import SnapshotError
 from vlm_sft.data.sources import (
@@ -103,12 +104,13 @@ def check_served_template(cfg: RunConfig, processor: Any, renderer: Any, source:
 
     The renderer must equal the processor (``check_template_parity``), and a server calling the template the run
     saves with no arguments must prompt exactly the tokens the run trains before each probe's last reply
-    (``check_served_prompt``). Then (``warn``) the last replies of the first ``THINKING_PROBE_ROWS`` rows: mostly
-    reasoning in a non-thinking run, or none in a thinking one, is a warning naming the setting (streamed sources
-    are not read)."""
+    (``check_served_prompt``; a video's, ``check_served_video``). Then (``warn``) the last replies of the first
+    ``THINKING_PROBE_ROWS`` rows: mostly reasoning in a non-thinking run, or none in a thinking one, is a warning
+    naming the setting (streamed sources are not read)."""
     check_template_parity(renderer, processor)
     for probe in served_probes(cfg.data.enable_thinking):
         check_served_prompt(renderer, processor, probe)
+    check_served_video(renderer, processor)
     prepared = [p.source for p in source.parts] if isinstance(source, MixedSources) else [source]
     prepared = [s for s in prepared if not isinstance(s, StreamedSource) and len(s)]
     if not warn or not prepared:
@@ -247,9 +249,8 @@ def materialize_data(cfg: RunConfig, *, progress: bool = True) -> dict[str, Path
     if not d.uses_shapes:
         return None
     s = d.shapes
-    return materialize_shapes(
-        s.root, num_train=s.num_train, num_eval=s.num_eval, seed=s.seed, image_size=s.image_size, progress=progress
-    )
+    sizes = {"seed": s.seed, "image_size": s.image_size, "video_share": s.video_share}
+    return materialize_shapes(s.root, num_train=s.num_train, num_eval=s.num_eval, **sizes, progress=progress)
 
 
 def load_sources(cfg: RunConfig) -> DataSources:
