@@ -73,6 +73,39 @@ def test_each_cp_rank_encodes_its_share_of_the_images(cp_results):
     assert patches == [[16, 16], [32, 32]]
 
 
+DECAY = ("linear_attn.dt_bias", "linear_attn.A_log", "linear_attn.in_proj_a.weight")
+"""The GatedDeltaNet decay's parameters: gradients summed over every token that cancel, so float32 gives them to
+1e-5 of their norm neither whole nor in parts (measured here: ``in_proj_a.weight`` 1.6e-5 of its norm apart)."""
+
+
+def test_cp2_with_a_video_equals_each_sample_alone(cp_launch):
+    """A row rendered and packed as the data path does (a committed clip as 2 temporal groups, the second straddling
+    the cut at 51; an image; text; padding) under cp 2: each sample's logits within 1e-5 of it run alone, the loss
+    the sum of theirs, every gradient the sum of theirs within 1e-5 of its norm (the decay's within twice the whole
+    row's own float32 error), and the three vision items split between the ranks."""
+    results = [torch.load(cp_launch / f"video-rank{r}.pt", weights_only=False) for r in range(2)]
+    mm, seq_lens = results[0]["mm_token_type_ids"][0], results[0]["seq_lens"].tolist()
+    assert seq_lens == [26, 48, 25, 3] and mm[50:54].tolist() == [2] * 4 and (mm == 1).any()
+    assert [int(n) for n in results[0]["grid"].prod(-1)] == [16, 16, 16]
+    assert sorted(r["patches"][-1] for r in results) == [16, 32]  # the cp forwards: a group; a group and the image
+    for result in results:
+        logits, loss, grads = result["cp"]
+        grads64, alone = result["float64"][2], result["alone"]
+        scale, start = float(logits.abs().max()), 0
+        assert scale > 0.1
+        for (own, _, _), n in zip(alone, seq_lens, strict=False):  # the padding segment has no sample
+            assert float((logits[start : start + n] - own).abs().max()) <= 1e-5 * scale
+            start += n
+        assert float(loss) == pytest.approx(sum(float(a[1]) for a in alone), rel=1e-6)
+        assert any(k.startswith("model.visual.") for k in grads)
+        for name, g in grads.items():
+            total = sum(a[2][name] for a in alone if name in a[2])
+            delta, floor = float((g - total).norm()), float((result["whole"][2][name].double() - grads64[name]).norm())
+            assert delta <= max(1e-5 * float(total.norm()), 2 * floor), (name, delta, floor)
+            if delta > 1e-5 * float(total.norm()):
+                assert name.endswith(DECAY), name
+
+
 def test_split_images_keeps_each_rank_within_its_share_plus_one_image():
     for patches, size in [([16, 32], 2), ([4] * 10, 4), ([100, 1, 1, 1], 2), ([8], 4), ([], 2), ([5, 7, 9, 11, 13], 3)]:
         blocks = split_images(patches, size)
