@@ -144,6 +144,9 @@ class ShapesConfig(Section):
     """Side of the square images in pixels (64 gives a 4x4 patch grid = 4 image tokens)."""
     root: str = "data/shapes"
     """Folder under which the dataset is materialized (a subfolder per seed and size)."""
+    video_share: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of conversations that are the video task (a clip whose shape changes colour halfway; asked the colour
+    at the start or at the end); the other conversations stay as without it. 0: images and text only."""
 
 
 class DataConfig(RowFormat, Scoring):

@@ -249,9 +249,8 @@ def materialize_data(cfg: RunConfig, *, progress: bool = True) -> dict[str, Path
     if not d.uses_shapes:
         return None
     s = d.shapes
-    return materialize_shapes(
-        s.root, num_train=s.num_train, num_eval=s.num_eval, seed=s.seed, image_size=s.image_size, progress=progress
-    )
+    sizes = {"seed": s.seed, "image_size": s.image_size, "video_share": s.video_share}
+    return materialize_shapes(s.root, num_train=s.num_train, num_eval=s.num_eval, **sizes, progress=progress)
 
 
 def load_sources(cfg: RunConfig) -> DataSources:

@@ -5,7 +5,8 @@ that learning can be checked end to end: a colour question can only be answered 
 language model (the text alone says nothing about the colour; chance is 1/6).
 
 Tasks (one conversation each): colour of the single shape, its kind, its position, how many shapes, a two-image
-comparison, and a text-only question. Every sample records ``task`` and ``answer`` so eval can score the answer
+comparison, and a text-only question; with ``video_share``, also a clip whose shape changes colour halfway, asked
+the colour at its start or its end (only the order of the frames tells them apart). Every sample records ``task`` and ``answer`` so eval can score the answer
 tokens. Generation is deterministic for a seed: sample ``i`` depends only on ``(seed, split, i)``.
 """
 
@@ -15,7 +16,7 @@ import hashlib
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +57,12 @@ _SHAPE_QUESTIONS = ("What shape is this?", "Which kind of shape is in the pictur
 _POSITION_QUESTIONS = ("Where is the shape in the image?", "In which part of the picture is the shape?")
 _COUNT_QUESTIONS = ("How many shapes are in the picture?", "Count the shapes in this image.")
 _COMPARE_QUESTIONS = ("Do these two shapes have the same colour?", "Are the shapes in the two images the same colour?")
+_VIDEO_QUESTIONS = {
+    "start": ("What colour is the shape at the start of the video?", "Which colour does the shape have first?"),
+    "end": ("What colour is the shape at the end of the video?", "Which colour does the shape change to?"),
+}
+VIDEO_FPS = 2
+"""Frame rate of the video task's clips: 4 frames (2 seconds), two temporal groups of one colour each."""
 _SYSTEM_PROMPTS = ("You are a helpful assistant.", "You describe pictures briefly and accurately.")
 
 
@@ -71,6 +78,8 @@ class ShapesSample:
     """One of ``TASK_WEIGHTS``."""
     answer: str
     """The key answer word (a colour, shape, position, number word, yes/no), scored by the eval."""
+    videos: dict[str, list[Image.Image]] = field(default_factory=dict)
+    """Relative path -> frames (at ``VIDEO_FPS``), for every video block of ``messages``."""
 
 
 def _background(rng: random.Random, size: int) -> Image.Image:
@@ -127,8 +136,52 @@ def _assistant(text: str) -> dict:
     return {"role": "assistant", "content": [{"type": "text", "text": text}]}
 
 
-def make_sample(seed: int, split: str, index: int, image_size: int = 64) -> ShapesSample:
+def _is_video(seed: int, split: str, index: int, video_share: float) -> bool:
+    """Whether sample ``index`` is the video task: a stream of its own, so the other samples stay as without it."""
+    digest = hashlib.blake2b(f"shapes-video/{seed}/{split}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < video_share * 2**64
+
+
+def _video_sample(rng: random.Random, name: str, image_size: int) -> ShapesSample:
+    """A shape that holds one colour for the first two frames and another for the last two."""
+    first, last = rng.sample(list(COLOURS), 2)
+    shape, box, background = rng.choice(SHAPES), _shape_box(rng, image_size, None), _background(rng, image_size)
+    frames = []
+    for colour in (first, first, last, last):
+        frame = background.copy()
+        _draw_shape(ImageDraw.Draw(frame), shape, box, COLOURS[colour])
+        frames.append(frame)
+    when = rng.choice(list(_VIDEO_QUESTIONS))
+    answer = first if when == "start" else last
+    path = f"videos/{name}.mp4"
+    question = {"type": "text", "text": rng.choice(_VIDEO_QUESTIONS[when])}
+    turns = [
+        {"role": "user", "content": [{"type": "video", "video": path}, question]},
+        _assistant(f"The {shape} is {answer} at the {when}."),
+    ]
+    return ShapesSample(messages=turns, images={}, task="video", answer=answer, videos={path: frames})
+
+
+def write_clip(path: Path, frames: list[Image.Image], fps: int) -> None:
+    """Encode ``frames`` as an H.264 mp4 at ``fps`` (near lossless; one thread, so the bytes repeat)."""
+    import av
+
+    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}")
+    with av.open(str(tmp), mode="w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = *frames[0].size, "yuv420p"
+        stream.options = {"crf": "12", "preset": "medium", "threads": "1"}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(frame.convert("RGB"))))
+        container.mux(stream.encode())
+    tmp.replace(path)
+
+
+def make_sample(seed: int, split: str, index: int, image_size: int = 64, video_share: float = 0.0) -> ShapesSample:
     """Sample ``index`` of ``split``; a pure function of its arguments."""
+    if video_share and _is_video(seed, split, index, video_share):
+        digest = hashlib.blake2b(f"shapes-video/{seed}/{split}/{index}/sample".encode(), digest_size=8).digest()
+        return _video_sample(random.Random(int.from_bytes(digest, "little")), f"{split}-{index:06d}", image_size)
     digest = hashlib.blake2b(f"shapes/{seed}/{split}/{index}".encode(), digest_size=8).digest()
     rng = random.Random(int.from_bytes(digest, "little"))
     task = rng.choices(list(TASK_WEIGHTS), weights=list(TASK_WEIGHTS.values()))[0]
@@ -179,37 +232,49 @@ def make_sample(seed: int, split: str, index: int, image_size: int = 64) -> Shap
     return ShapesSample(messages=messages, images=images, task=task, answer=answer)
 
 
-def shapes_dir(root: str | Path, seed: int, image_size: int) -> Path:
+def shapes_dir(root: str | Path, seed: int, image_size: int, video_share: float = 0.0) -> Path:
     """Folder of one materialized variant of the dataset."""
-    return Path(root) / f"seed{seed}-size{image_size}"
+    return Path(root) / (f"seed{seed}-size{image_size}" + (f"-video{video_share:g}" if video_share else ""))
 
 
 def materialize_shapes(
-    root: str | Path, *, num_train: int, num_eval: int, seed: int = 0, image_size: int = 64, progress: bool = True
+    root: str | Path,
+    *,
+    num_train: int,
+    num_eval: int,
+    seed: int = 0,
+    image_size: int = 64,
+    video_share: float = 0.0,
+    progress: bool = True,
 ) -> dict[str, Path]:
     """Write ``train.jsonl`` / ``eval.jsonl`` and their png files once; return the jsonl paths.
 
     A ``manifest.json`` records the counts; an existing folder with a matching manifest is reused as is, and a
     partial one (a crash mid-write) is completed, since every file is a pure function of its name.
     """
-    out = shapes_dir(root, seed, image_size)
+    out = shapes_dir(root, seed, image_size, video_share)
     manifest_path = out / "manifest.json"
     manifest = {"seed": seed, "image_size": image_size, "num_train": num_train, "num_eval": num_eval, "version": 1}
+    manifest |= {"video_share": video_share} if video_share else {}
     paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl"}
     if manifest_path.is_file() and json.loads(manifest_path.read_text()) == manifest:
         return paths
     (out / "images").mkdir(parents=True, exist_ok=True)
+    (out / "videos").mkdir(exist_ok=True)
     total = num_train + num_eval
     bar = tqdm(total=total, desc=f"generating shapes dataset in {out}", disable=not progress, unit="sample")
     for split, count in (("train", num_train), ("eval", num_eval)):
         tmp = paths[split].with_suffix(".jsonl.tmp")
         with tmp.open("w") as f:
             for i in range(count):
-                sample = make_sample(seed, split, i, image_size)
+                sample = make_sample(seed, split, i, image_size, video_share)
                 for rel, img in sample.images.items():
                     target = out / rel
                     if not target.exists():
                         img.save(target, format="PNG", optimize=False)
+                for rel, frames in sample.videos.items():
+                    if not (out / rel).exists():
+                        write_clip(out / rel, frames, VIDEO_FPS)
                 row = {"messages": sample.messages, "task": sample.task, "answer": sample.answer, "id": f"{split}-{i}"}
                 f.write(json.dumps(row) + "\n")
                 bar.update(1)
