@@ -1,5 +1,6 @@
 """The command line a user meets: ``--help`` on every entry point, did-you-mean for misspelt settings, and the
-README's own override example (``--train.max_steps 20`` on debug.toml, once refused because of its 50 warmup steps).
+documented override example (docs/configuration.md: ``--train.max_steps 20`` on debug.toml, once refused because of
+its 50 warmup steps).
 """
 
 from __future__ import annotations
@@ -12,13 +13,15 @@ import sys
 
 import pytest
 import torch
+from doc_pages import PAGES, block
 
 from vlm_sft.checkpoint.state import TrainerState, capture_rng, save_checkpoint
 from vlm_sft.config import REPO_ROOT, ConfigError, config_from_cli, load_config
 from vlm_sft.parallel.env import DistEnv
 from vlm_sft.trainer.optim import build_scheduler
 
-README = (REPO_ROOT / "README.md").read_text()
+DOCS = "\n".join(page.read_text() for page in PAGES)
+"""README.md and docs/*.md."""
 
 
 def _help(*entry: str) -> subprocess.CompletedProcess:
@@ -99,9 +102,9 @@ def _warmup_length(lrs: list[float], peak: float) -> int:
     return next(k for k, lr in enumerate(lrs) if lr == pytest.approx(peak)) + 1
 
 
-def test_readme_override_example_loads_and_warms_up_for_its_fraction(caplog):
-    block = re.search(r"## Configuration.*?```\n(.*?)```", README, flags=re.S).group(1).strip()
-    args = shlex.split(block)
+def test_documented_override_example_loads_and_warms_up_for_its_fraction(caplog):
+    command = next(line for line in block("bash", "--train.max_steps 20").splitlines() if "--train.max_steps" in line)
+    args = shlex.split(command)
     assert args[:3] == ["accelerate", "launch", "vlm_sft/train.py"] and "--train.max_steps" in args
     cfg = config_from_cli(args[3:])
     assert cfg is not None and cfg.train.max_steps == 20 and cfg.data.packing == "cat"
@@ -151,8 +154,8 @@ def test_warmup_steps_and_fraction_set_together_is_an_error(tmp_path):
         load_config(tmp_path / "both.toml")
 
 
-def test_readme_names_checkpoints_as_they_are_written(tmp_path):
-    named = re.search(r"`checkpoints/(step-\d+)/`", README).group(1)
+def test_the_docs_name_checkpoints_as_they_are_written(tmp_path):
+    named = re.search(r"`checkpoints/(step-\d+)/`", DOCS).group(1)
     model = torch.nn.Linear(2, 2)
     state = TrainerState(step=int(named.split("-")[1]), scheduler={}, data={}, rng=capture_rng(), extra={})
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -1,17 +1,21 @@
-"""Every command in the README's code blocks works: each is run here, tiny and offline, or names the test that runs it.
+"""Every command in the README's and the docs pages' code blocks works: each is run here, tiny and offline, or names the
+test that runs it.
 
-The README is the front door, and a command in it that no test runs rots unseen. The fenced ```bash and plain ```
-blocks are parsed into commands (backslash continuations joined, comments dropped, ``&&`` chains split), and
-``COMMANDS`` says for each one, by its exact text, how it is covered:
+The README and ``docs/*.md`` are what users copy, and a command in them that no test runs rots unseen. The fenced
+```bash and plain ``` blocks are parsed into commands (``doc_pages``: backslash continuations joined, comments
+dropped, ``&&`` chains split), and ``COMMANDS`` says for each one, by its exact text, how it is covered:
 
 - ``Run``: run as written from the repository root, through its own launcher (``accelerate launch``, ``torchrun``,
   ``python -m``), with overrides appended that make it tiny, offline and CPU-only (``tiny_overrides``). A command on
   a config that names a real checkpoint (``configs/qwen3_5_0_8b.toml``: a hub id, bf16, CUDA) gets a local HF
   checkpoint directory of the tiny model instead, in float32 on the CPU; ``data/train.jsonl`` becomes a small jsonl
-  of shapes rows with their images beside it.
-- ``Covered``: run by CI or by another test, named together with a line of that file which must still be there.
+  of shapes rows with their images beside it. ``Run("plan")`` runs a command that needs nothing made tiny as written.
+- ``Covered``: run by CI or by another test, named together with a line of that file which must still be there;
+  ``needs`` marks what a user's run of it needs that this machine lacks (a GPU, the hub, Slurm).
 
-A README command missing from the table fails with the fix, and so does a table entry the README no longer has.
+A documented command missing from the table fails with the fix, and so does a table entry no page has any more.
+Every ``vlm_sft/train.py`` command's ``--config`` and dotted overrides must also load as a config, covered or run,
+so a misspelt setting in a page fails here. The TOML blocks and the links are checked in ``tests/test_docs.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import shlex
 import signal
 import socket
@@ -32,15 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from doc_pages import PAGES, pages_commands, parse_page, train_overrides
 from train_helpers import launch_env, tiny_run_args
 
 from vlm_sft.checkpoint.export import save_pretrained
-from vlm_sft.config import REPO_ROOT
+from vlm_sft.config import REPO_ROOT, load_config, split_config_arg
 
-README = REPO_ROOT / "README.md"
 DEFAULT_CONFIG = "configs/debug.toml"
 USER_DATA = "data/train.jsonl"
-"""The README's example of the user's own data file: replaced by a small jsonl of shapes rows."""
+"""The pages' example of the user's own data file: replaced by a small jsonl of shapes rows."""
 
 COMMAND_TIMEOUT_S = 180.0
 """Per command; a tiny run takes 10 to 45 s on 2 cores, so this only stops a hang (e.g. a rendezvous never met)."""
@@ -59,7 +62,7 @@ running side by side never race to write it (``tiny_overrides`` passes the same 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The table: how each README command is covered.
+# The table: how each documented command is covered.
 
 
 @dataclass(frozen=True)
@@ -67,15 +70,16 @@ class Run:
     """Run the command as written, made tiny; then check what it must leave behind."""
 
     expect: str
-    """``train`` (``final/`` and ``metrics.jsonl`` in the output dir), ``report`` (its JSON), or ``check_packing``
-    (exit 0 and its table printed once)."""
+    """``train`` (``final/`` and ``metrics.jsonl`` in the output dir), ``report`` (its JSON), ``check_packing``
+    (exit 0 and its table printed once), or ``plan`` (run as written, nothing appended: exit 0 and the plan's
+    ``training`` line printed)."""
     procs: int = 1
     """Processes the command starts on this machine; the scheduler runs no more than the cores at once."""
     nodes: int = 1
     """> 1: the command is launched this many times at once on localhost, with ``NODE_RANK`` 0, 1, ... (one
     "machine" each)."""
     set_flags: tuple[tuple[str, str], ...] = ()
-    """(flag, value) pairs whose value replaces the README's (``{port}``: a free port)."""
+    """(flag, value) pairs whose value replaces the page's (``{port}``: a free port)."""
     env: tuple[tuple[str, str], ...] = ()
     """Shell variables the command names (``$MASTER``), as (name, value)."""
 
@@ -86,6 +90,9 @@ class Covered:
 
     by: str
     evidence: tuple[str, str]
+    needs: str = ""
+    """What a user's run of the command needs that the test machine lacks ("a GPU", "the hub", "Slurm"): the reason
+    it is covered elsewhere rather than run here."""
 
 
 def _ci(part: str) -> Covered:
@@ -113,9 +120,10 @@ COMMANDS: dict[str, Run | Covered] = {
         "srun torchrun --nproc_per_node 8 --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "
         "600 vlm_sft/train.py --config configs/qwen3_5_0_8b.toml --train.resume latest --train.save_every 200"
     ): Covered(
-        "Slurm only (no Slurm here); tests/test_preemption.py runs what it relies on: the stop signal's save on one "
-        "process and on one rank of two, and torchrun's restart resuming from the latest checkpoint",
+        "tests/test_preemption.py runs what it relies on: the stop signal's save on one process and on one rank of "
+        "two, and torchrun's restart resuming from the latest checkpoint",
         ("tests/test_preemption.py", "def test_sigterm_to_one_rank_stops_both_at_the_same_step"),
+        needs="Slurm and 8 GPUs",
     ),
     (
         "torchrun --standalone --nproc_per_node 2 --max-restarts 3 vlm_sft/train.py --config configs/debug.toml "
@@ -128,12 +136,13 @@ COMMANDS: dict[str, Run | Covered] = {
         'hf download HuggingFaceM4/the_cauldron --repo-type dataset --include "README.md" --include "ai2d/*" '
         "--local-dir data/the_cauldron"
     ): Covered(
-        "needs the hub (no network here); tests/test_snapshots.py writes the layout it leaves (README.md configs, one "
-        "subfolder of parquet shards per subset, the_cauldron's features) and reads each subset",
+        "tests/test_snapshots.py writes the layout it leaves (README.md configs, one subfolder of parquet shards per "
+        "subset, the_cauldron's features) and reads each subset",
         ("tests/test_snapshots.py", "def test_each_subset_of_a_readme_snapshot_loads_alone_by_name"),
+        needs="the hub",
     ),
     "python -m vlm_sft.report --data.source data/the_cauldron --data.subset ai2d --show 2": Covered(
-        "tests/test_snapshots.py runs the README's line, as written, in a folder holding such a snapshot",
+        "tests/test_snapshots.py runs the page's line, as written, in a folder holding such a snapshot",
         ("tests/test_snapshots.py", "def test_the_readme_show_command_runs_on_the_snapshot"),
     ),
     "python -m vlm_sft.data.mixture_example": Covered(
@@ -178,103 +187,84 @@ COMMANDS: dict[str, Run | Covered] = {
         "python -m vlm_sft.evaluate outputs/debug/final --source data/chartqa.parquet --metric relaxed_accuracy "
         '--instruction "Answer the question using a single word or phrase."'
     ): Covered(
-        "tests/test_generation.py runs the README's line as written next to a ChartQA-schema file and a final/",
+        "tests/test_generation.py runs the page's line as written next to a ChartQA-schema file and a final/",
         ("tests/test_generation.py", "def test_the_readme_scores_a_chartqa_file_as_written"),
     ),
     "bash bench/gpu.sh": Covered(
-        "GPU only (the GPU session runs it); its parts run on the CPU in tests/test_gpu_check.py",
+        "the GPU session runs it; its parts run on the CPU in tests/test_gpu_check.py",
         ("tests/test_gpu_check.py", '"bench/gpu.sh", "--cpu-smoke"'),
+        needs="a GPU",
     ),
     "bash bench/gpu.sh --cpu-smoke": Covered(
         "tests/test_gpu_check.py (the smoke fixture)", ("tests/test_gpu_check.py", '"bench/gpu.sh", "--cpu-smoke"')
     ),
+    "python vlm_sft/train.py --help": Covered(
+        "tests/test_cli.py runs --help on every entry point and checks the fields it lists",
+        ("tests/test_cli.py", "def test_help_lists_every_config_field_and_exits_0"),
+    ),
+    "python vlm_sft/train.py --config configs/debug.toml --dry-run": Covered(
+        "tests/test_dry_run.py runs --dry-run on the debug config (tiny overrides) on 2 ranks",
+        ("tests/test_dry_run.py", '"--dry-run"'),
+    ),
+    "python -m vlm_sft.checks.memory_plan --config configs/qwen3_5_35b_a3b.toml --world-size 8": Run("plan"),
+    "python -m vlm_sft.plot outputs/debug": Covered(
+        "tests/test_plot.py runs the CLI on a run folder",
+        ("tests/test_plot.py", 'cli = [sys.executable, "-m", "vlm_sft.plot"]'),
+    ),
+    'python -m vlm_sft.generate outputs/debug/final --video clip.mp4 --prompt "What moves?"': Covered(
+        "tests/test_video_render.py asks a checkpoint about a clip with the same arguments",
+        ("tests/test_video_render.py", '"--video", CLIP, "--prompt", "What moves?"'),
+    ),
+    "accelerate launch vlm_sft/train.py --config configs/debug_lora.toml": Covered(
+        "VLM_SFT_LEARNING_CHECKS=1 tests/test_lora.py trains the shipped config as it is (about 4 minutes)",
+        ("tests/test_lora.py", '"--config", "configs/debug_lora.toml"'),
+    ),
+    "accelerate launch vlm_sft/train.py --config configs/debug_moe.toml": Covered(
+        "VLM_SFT_LEARNING_CHECKS=1 tests/test_moe_train.py trains the shipped config as it is (about 4 minutes)",
+        ("tests/test_moe_train.py", '"--config", "configs/debug_moe.toml"'),
+    ),
+    "accelerate launch --multi_gpu --num_processes 8 vlm_sft/train.py --config configs/qwen3_5_9b_lora.toml": Covered(
+        "tests/test_config.py loads every shipped config; LoRA on several processes runs in tests/test_lora.py",
+        ("tests/test_config.py", "def test_every_shipped_config_loads"),
+        needs="8 GPUs and the hub",
+    ),
+    (
+        "accelerate launch --multi_gpu --num_processes 8 vlm_sft/train.py --config configs/qwen3_5_9b_long_context.toml"
+    ): Covered(
+        "tests/test_config.py loads every shipped config; CP training runs on the CPU in tests/test_context_parallel.py",
+        ("tests/test_config.py", "def test_every_shipped_config_loads"),
+        needs="8 GPUs and the hub",
+    ),
+    "python3 -m venv .venv-interpret": _ci("python3 -m venv .venv-interpret"),
+    ". .venv-interpret/bin/activate": _ci(". .venv-interpret/bin/activate"),
+    'pip install -q -e ".[dev,interpret]"': _ci('pip install -q -e ".[dev,interpret]"'),
+    "HF_HUB_OFFLINE=1 python -m pytest -m interpret": _ci("HF_HUB_OFFLINE=1 python -m pytest -m interpret"),
 }
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Parsing the README into commands.
-
-FENCE = re.compile(r"^```([\w-]*)[ \t]*\n(.*?)^```[ \t]*$", re.M | re.S)
-SHELL_LANGS = frozenset({"bash", "sh", "shell", "console"})
-COMMAND_START = re.compile(r"^\s*(?:[A-Za-z_]\w*=\S*\s+)*(?:python3?|accelerate|torchrun|bash|sh|pip|uv|\.)\s")
-"""A line that starts like a command: in a plain block that bash cannot parse, it means a broken command, not a
-diagram."""
-
-
-def _bash_parses(body: str) -> bool:
-    return subprocess.run(["bash", "-n"], input=body, capture_output=True, text=True).returncode == 0
-
-
-def _outside_quotes(line: str, pos: int) -> bool:
-    """Whether ``pos`` is outside any quotes (the text before it splits as a complete shell line)."""
-    try:
-        shlex.split(line[:pos])
-    except ValueError:
-        return False
-    return True
-
-
-def _strip_comment(line: str) -> str:
-    for m in re.finditer(r"(?:^|\s)#", line):
-        if _outside_quotes(line, m.start()):
-            return line[: m.start()]
-    return line
-
-
-def _split_and(line: str) -> list[str]:
-    parts, start = [], 0
-    for m in re.finditer(r"&&", line):
-        if _outside_quotes(line, m.start()):
-            parts.append(line[start : m.start()])
-            start = m.end()
-    return [p.strip() for p in [*parts, line[start:]] if p.strip()]
-
-
-def block_commands(body: str) -> list[str]:
-    """The commands of one shell block: continuations joined with one space, comments dropped, ``&&`` split."""
-    joined = re.sub(r"[ \t]*\\\n[ \t]*", " ", body)
-    commands: list[str] = []
-    for line in joined.splitlines():
-        commands += _split_and(_strip_comment(line).strip())
-    return commands
-
-
-def parse_readme(text: str) -> tuple[list[str], list[str]]:
-    """(commands in README order, problems). ```bash blocks and plain ``` blocks that bash parses are commands; a
-    plain block bash cannot parse is a diagram, unless a line of it starts like a command (then it is a problem)."""
-    commands: list[str] = []
-    problems: list[str] = []
-    for m in FENCE.finditer(text):
-        lang, body = m.group(1).lower(), m.group(2)
-        line_no = text.count("\n", 0, m.start()) + 1
-        if lang and lang not in SHELL_LANGS:
-            continue
-        if not _bash_parses(body):
-            if lang or any(COMMAND_START.match(line) for line in body.splitlines()):
-                problems.append(f"README.md:{line_no}: this code block is not valid shell:\n{body}")
-            continue
-        commands += [c for c in block_commands(body) if c not in commands]
-    return commands, problems
+# The pages' commands against the table.
 
 
 def table_problems(commands: list[str], table: dict[str, object]) -> list[str]:
-    """Both directions: a README command with no table entry, and a table entry the README no longer has."""
+    """Both directions: a documented command with no table entry, and a table entry no page has any more."""
     missing = [
-        f"README command not covered by any test: {c!r}; add it to COMMANDS in tests/test_readme_commands.py "
+        f"documented command not covered by any test: {c!r}; add it to COMMANDS in tests/test_readme_commands.py "
         "(Run: how to make it tiny, or Covered: which test runs it)"
         for c in commands
         if c not in table
     ]
     stale = [
-        f"COMMANDS entry {c!r} is not in README.md any more: remove it, or update it to the README's new text"
+        f"COMMANDS entry {c!r} is not in README.md or docs/ any more: remove it, or update it to the page's new text"
         for c in table
         if c not in commands
     ]
     return missing + stale
 
 
-README_COMMANDS, README_PROBLEMS = parse_readme(README.read_text())
-RUN_COMMANDS = [c for c in README_COMMANDS if isinstance(COMMANDS.get(c), Run)]
+PAGE_COMMANDS, PAGE_PROBLEMS = pages_commands()
+DOC_COMMANDS = list(PAGE_COMMANDS)
+RUN_COMMANDS = [c for c in DOC_COMMANDS if isinstance(COMMANDS.get(c), Run)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -300,7 +290,7 @@ def _config_of(argv: list[str]) -> dict:
 
 
 def tiny_overrides(argv: list[str], out: Path, stand_ins: StandIns) -> list[str]:
-    """Overrides appended to a README command (the last of a repeated override wins): a seconds-long run, and for a
+    """Overrides appended to a documented command (the last of a repeated override wins): a seconds-long run, and for a
     config that names a real model, the tiny local checkpoint in float32 on the CPU, on the stand-in jsonl."""
     shapes = {f"data.shapes.{k}": v for k, v in SHAPES.items()}
     extra = tiny_run_args(
@@ -319,7 +309,7 @@ def tiny_overrides(argv: list[str], out: Path, stand_ins: StandIns) -> list[str]
 
 
 def command_argv(command: str, run: Run, variables: dict[str, str], stand_ins: StandIns) -> list[str]:
-    """The README's words, ``$VARS`` expanded (an unknown one raises), ``set_flags`` applied, the data path swapped."""
+    """The page's words, ``$VARS`` expanded (an unknown one raises), ``set_flags`` applied, the data path swapped."""
     argv = [string.Template(word).substitute(variables) for word in shlex.split(command)]
     for flag, value in run.set_flags:
         argv[argv.index(flag) + 1] = value.format(**variables)
@@ -334,7 +324,7 @@ def _free_port() -> int:
 
 @dataclass
 class Job:
-    """One README command: its launches (one per node), their processes and what they printed."""
+    """One documented command: its launches (one per node), their processes and what they printed."""
 
     command: str
     run: Run
@@ -401,7 +391,8 @@ def make_job(index: int, command: str, run: Run, tmp: Path, stand_ins: StandIns)
     for node in range(run.nodes):
         shell_vars = {**dict(run.env), **({"NODE_RANK": str(node)} if run.nodes > 1 else {})}
         argv = command_argv(command, run, {**shell_vars, "port": port}, stand_ins)
-        launches.append((argv + tiny_overrides(argv, out, stand_ins), {**env, **shell_vars}))
+        extra = [] if run.expect == "plan" else tiny_overrides(argv, out, stand_ins)
+        launches.append((argv + extra, {**env, **shell_vars}))
     return Job(command, run, out, launches)
 
 
@@ -441,7 +432,7 @@ def write_tiny_checkpoint(directory: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> dict[str, Job]:
-    """Every ``Run`` command of the README, run once, side by side as the cores allow; timings printed."""
+    """Every ``Run`` command of the pages, run once, side by side as the cores allow; timings printed."""
     from vlm_sft.data.shapes import materialize_shapes
 
     tmp = tmp_path_factory.mktemp("readme_commands")
@@ -451,7 +442,7 @@ def ran(tmp_path_factory) -> dict[str, Job]:
     jobs = [make_job(i, c, COMMANDS[c], tmp, stand_ins) for i, c in enumerate(RUN_COMMANDS)]
     t0 = time.monotonic()
     run_jobs(jobs, slots=PROCESSES_PER_CORE * (os.cpu_count() or 1), timeout=COMMAND_TIMEOUT_S)
-    print(f"\nREADME commands ({time.monotonic() - t0:.0f} s in all):")
+    print(f"\ndocumented commands ({time.monotonic() - t0:.0f} s in all):")
     for job in jobs:
         print(f"  {job.seconds:6.1f} s  {job.command}")
     return {job.command: job for job in jobs}
@@ -461,11 +452,58 @@ def ran(tmp_path_factory) -> dict[str, Job]:
 # The tests.
 
 
-def test_every_readme_command_is_in_the_table_and_every_entry_in_the_readme():
-    assert not README_PROBLEMS, "\n".join(README_PROBLEMS)
-    assert README_COMMANDS, "no commands parsed from README.md: the parser no longer finds its code blocks"
-    problems = table_problems(README_COMMANDS, COMMANDS)
+def test_every_documented_command_is_in_the_table_and_every_entry_on_a_page():
+    assert not PAGE_PROBLEMS, "\n".join(PAGE_PROBLEMS)
+    assert len(PAGES) > 1 and all(PAGE_COMMANDS.get(c) for c in ("accelerate launch vlm_sft/train.py",)), (
+        f"the parser no longer finds the pages' code blocks: {[p.name for p in PAGES]}"
+    )
+    problems = table_problems(DOC_COMMANDS, COMMANDS)
     assert not problems, "\n".join(problems)
+
+
+def test_every_page_but_the_readme_opens_with_what_a_user_copies():
+    """A docs page is a task page: a code block comes before its first section heading."""
+    late = []
+    for path in PAGES[1:]:
+        text = path.read_text()
+        first_block, first_section = text.find("\n```"), text.find("\n## ")
+        if first_block < 0 or 0 <= first_section < first_block:
+            late.append(path.name)
+    assert not late, f"these pages do not open with a command or TOML block: {late}"
+
+
+def config_problems(command: str) -> str:
+    """Empty when a ``vlm_sft/train.py`` command's ``--config`` and overrides load as a config (or the command is
+    another one); else the config error."""
+    from vlm_sft.config import ConfigError
+
+    args = train_overrides(command)
+    if args is None:
+        return ""
+    config, overrides = split_config_arg(args)
+    try:
+        load_config(REPO_ROOT / config if config else None, overrides)
+    except ConfigError as err:
+        return f"{command!r}: {err}"
+    return ""
+
+
+def test_every_documented_training_command_names_settings_that_exist():
+    """Covered or run, a training command's config and overrides must load: a misspelt setting in a page fails."""
+    problems = [p for c in DOC_COMMANDS if (p := config_problems(c))]
+    assert not problems, "\n".join(problems)
+
+
+def test_a_misspelt_setting_in_a_page_fails_both_checks():
+    """A copy of docs/cluster.md with one setting misspelt: the command is no longer the table's, and its
+    overrides no longer load."""
+    page = (REPO_ROOT / "docs" / "cluster.md").read_text()
+    wrong = page.replace("--train.save_every 100", "--train.save_evry 100")
+    assert wrong != page
+    commands, _ = parse_page(wrong, "docs/cluster.md")
+    misspelt = next(c for c in commands if "save_evry" in c)
+    assert any("not covered by any test" in p for p in table_problems(commands, COMMANDS))
+    assert "train.save_evry: unknown setting; did you mean train.save_every?" in config_problems(misspelt)
 
 
 @pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if isinstance(how, Covered)])
@@ -483,7 +521,7 @@ def test_the_parser_joins_continuations_drops_comments_splits_chains_and_skips_d
         "```\n # a comment line\nrun a --x 'b && c' \\\n    --y 1   # trailing\nrun 'a # not a comment'\n```\n"
         "```\n rows (jsonl)\n   |\n   v\n```\n```toml\n[x]\ny = 1\n```\n"
     )
-    commands, problems = parse_readme(text)
+    commands, problems = parse_page(text)
     assert commands == [
         "python3 -m venv .venv",
         ". .venv/bin/activate",
@@ -495,15 +533,15 @@ def test_the_parser_joins_continuations_drops_comments_splits_chains_and_skips_d
 
 
 def test_the_parser_reports_a_broken_command_instead_of_taking_it_for_a_diagram():
-    commands, problems = parse_readme("```\npython -m vlm_sft.report --config (x\n```\n")
-    assert commands == [] and len(problems) == 1 and "README.md:1" in problems[0]
+    commands, problems = parse_page("```\npython -m vlm_sft.report --config (x\n```\n", "docs/data.md")
+    assert commands == [] and len(problems) == 1 and "docs/data.md:1" in problems[0]
 
 
 def test_table_problems_name_missing_commands_and_stale_entries():
     problems = table_problems(["a", "b"], {"b": Run("train"), "c": Run("train")})
     assert len(problems) == 2
     assert "'a'" in problems[0] and "add it to COMMANDS" in problems[0]
-    assert "'c'" in problems[1] and "not in README.md" in problems[1]
+    assert "'c'" in problems[1] and "not in README.md or docs/" in problems[1]
 
 
 def test_multi_node_command_becomes_one_local_launch_per_node(tmp_path):
@@ -536,9 +574,9 @@ def test_a_failing_or_hanging_command_is_reported_and_its_processes_killed(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", RUN_COMMANDS)
-def test_readme_command_runs(ran, command):
+def test_documented_command_runs(ran, command):
     job = ran[command]
-    assert not job.failure(), f"README command failed: {command}\n{job.failure()}"
+    assert not job.failure(), f"documented command failed: {command}\n{job.failure()}"
     out = job.out / "run"
     if job.run.expect == "train":
         assert (out / "final" / "config.json").is_file(), f"no final/ checkpoint in {out}"
@@ -551,5 +589,7 @@ def test_readme_command_runs(ran, command):
         assert report["samples_seen"] == report["samples_packed"] == USER_ROWS  # the stand-in data, every row packed
     elif job.run.expect == "check_packing":
         assert job.stdout().count("packing check:") == 1, job.stdout()
+    elif job.run.expect == "plan":
+        assert "training" in job.stdout(), job.stdout()
     else:
         raise AssertionError(f"unknown expectation {job.run.expect!r} for {command!r}")

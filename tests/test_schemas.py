@@ -360,14 +360,14 @@ def test_messages_with_indexed_image_blocks(renderer, folder, tmp_path):
 
 
 def test_the_readme_mapping_example_renders_its_made_up_schema_as_the_canonical_form(renderer, folder, tmp_path):
-    """The README's ``[data]`` mapping block, read as the config loader reads it, over rows of the schema its comment
-    shows."""
+    """The documented ``[data]`` mapping block (docs/data.md), read as the config loader reads it, over rows of the
+    schema its comment shows."""
     import re
     import tomllib
 
     from vlm_sft.config import REPO_ROOT, DataConfig
 
-    blocks = re.findall(r"^```toml\n(.*?)^```", (REPO_ROOT / "README.md").read_text(), re.M | re.S)
+    blocks = re.findall(r"^```toml\n(.*?)^```", (REPO_ROOT / "docs" / "data.md").read_text(), re.M | re.S)
     settings = DataConfig(**tomllib.loads(next(b for b in blocks if "conversation_column" in b))["data"])
     rows = [
         {

@@ -1,14 +1,13 @@
 """Local snapshots of hub datasets and their subsets, as a cluster without internet holds them: a ``README.md`` with
 YAML ``configs:`` and one subfolder of parquet shards per subset (``hf download ... --local-dir``), or subfolders
 alone. Each subset loads alone by name, prepared and streamed; a missing or unknown subset or split names what
-exists; the README's mixture example trains as written against such a snapshot; every CLI answers a config or data
+exists; the documented mixture example (docs/data.md) trains as written against such a snapshot; every CLI answers a config or data
 error with one line and exit code 2."""
 
 from __future__ import annotations
 
 import io
 import json
-import re
 import shlex
 from pathlib import Path
 
@@ -171,16 +170,18 @@ def test_a_hub_id_passes_the_subset_as_the_config_name(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The README's commands, as written, against such a snapshot.
+# The documented commands (docs/data.md), as written, against such a snapshot.
 
 
 def readme_block(lang: str, must_hold: str) -> str:
-    blocks = re.findall(rf"^```{lang}\n(.*?)^```", (REPO_ROOT / "README.md").read_text(), re.M | re.S)
-    return next(b for b in blocks if must_hold in b)
+    """The first documented ```lang block (README.md, then docs/*.md) holding ``must_hold``."""
+    from doc_pages import block
+
+    return block(lang, must_hold)
 
 
 def write_readme_mixture_data(root: Path) -> None:
-    """The files the README's mixture example names: data/ocr/{train,eval}.jsonl (chat rows with image files),
+    """The files the documented mixture example names: data/ocr/{train,eval}.jsonl (chat rows with image files),
     data/charts.parquet (ChartQA's question / answer schema), data/the_cauldron (a snapshot)."""
     (root / "data" / "ocr" / "img").mkdir(parents=True)
     for split, rows in (("train", 12), ("eval", 3)):
