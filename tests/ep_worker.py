@@ -19,6 +19,7 @@ from vlm_sft.model import tiny_qwen3_5_moe_config
 from vlm_sft.model.moe import Experts
 from vlm_sft.parallel.collectives import full_tensor
 from vlm_sft.parallel.expert_parallel import ExpertParallel, shard_experts, wrap_experts
+from vlm_sft.parallel.mesh import EDP, EP
 
 CASES = {  # name: the expert of every (token, k) slot, or "random"
     "random": "random",
@@ -42,8 +43,8 @@ def inputs(case: str, cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def main() -> None:
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (1, size), mesh_dim_names=("edp", "ep"))
-    ep = ExpertParallel(mesh["ep"], rank, size, mesh["edp"], size)
+    mesh = init_device_mesh("cpu", (1, size), mesh_dim_names=(EDP, EP))
+    ep = ExpertParallel(mesh[EP], rank, size, mesh[EDP], size)
     cfg = tiny_qwen3_5_moe_config().text_config
     for case in CASES:
         torch.manual_seed(0)

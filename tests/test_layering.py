@@ -19,6 +19,7 @@ the parallel package, then the model; the data package beside them.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,65 @@ def test_a_circle_of_type_annotations_only_is_found(tmp_path):
     without_annotations = {m: imported_modules(text, with_type_checking=False) for m, text in sources.items()}
     assert not any(n in sources for n in without_annotations["pkg.cache"] | without_annotations["pkg.model"])
 
+
+MODEL_PATH_ATTRIBUTES = ("language_model", "visual")
+"""The model's submodules that ``parallel.parallelize`` alone names outside the model (``decoder_layers``, ...)."""
+
+
+def code_names(source: str) -> tuple[set[str], set[str]]:
+    """The string constants (docstrings left out) and the attribute names a module's code uses."""
+    tree = ast.parse(source)
+    docstrings = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    strings = {
+        n.value
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings
+    }
+    return strings, {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+
+
+def model_paths_named(source: str) -> list[str]:
+    strings, attributes = code_names(source)
+    named = [a for a in MODEL_PATH_ATTRIBUTES if a in attributes]
+    return named + sorted(s for s in strings if any(a in s.split(".") for a in MODEL_PATH_ATTRIBUTES))
+
+
+def test_only_parallelize_names_the_model_paths():
+    """Outside the model, ``model.language_model.layers`` and ``model.visual`` are spelled in ``parallelize.py``
+    alone; the trainer, the checks and the checkpoints ask it (``decoder_layers``, ``vision_tower``, ...)."""
+    owner = PACKAGE / "parallel" / "parallelize.py"
+    bad = {
+        str(path.relative_to(REPO_ROOT)): named
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != owner and PACKAGE / "model" not in path.parents and (named := model_paths_named(path.read_text()))
+    }
+    assert not bad, bad
+    assert model_paths_named(owner.read_text())
+
+
+def mesh_names_spelled(source: str) -> set[str]:
+    from vlm_sft.parallel.mesh import CP, DP, EDP, EP
+
+    return code_names(source)[0] & {DP, CP, EP, EDP}
+
+
+def test_mesh_dimensions_are_named_once():
+    """The mesh's dimension names are spelled once, as ``parallel.mesh``'s constants, and used by name everywhere."""
+    owner = PACKAGE / "parallel" / "mesh.py"
+    bad = {
+        str(p.relative_to(REPO_ROOT)): names
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p != owner and (names := mesh_names_spelled(p.read_text()))
+    }
+    assert not bad, bad
+    definitions = [line for line in owner.read_text().splitlines() if re.fullmatch(r'[A-Z]+ = "[a-z]+"', line)]
+    assert definitions == ['DP = "dp"', 'CP = "cp"', 'EP = "ep"', 'EDP = "edp"']
+
+
+def test_the_name_scans_can_fail():
+    """Bare paths and mesh names in code are found; the same words in a docstring are not."""
+    assert model_paths_named("layers = model.model.language_model.layers") == ["language_model"]
+    assert model_paths_named('tower = model.get_submodule("model.visual")') == ["model.visual"]
+    assert model_paths_named('def f():\n    """``model.visual``, ``model.language_model``"""\n') == []
+    assert mesh_names_spelled('rank = mesh.get_local_rank("cp")') == {"cp"}
+    assert mesh_names_spelled('"""The ``ep`` group."""\nrank = mesh.get_local_rank(CP)') == set()

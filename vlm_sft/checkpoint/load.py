@@ -35,6 +35,7 @@ from vlm_sft.checkpoint.hf_dir import CheckpointIndex, SliceReader, resolve_chec
 from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.vlm import Qwen3_5VLM
 from vlm_sft.parallel.fsdp import local_rows
+from vlm_sft.parallel.parallelize import input_embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     device = torch.device(device)
     model.to_empty(device=device)
     vlm = next(m for m in model.modules() if isinstance(m, Qwen3_5VLM))
-    if vlm.tied_embeddings and vlm.lm_head.weight is not vlm.model.language_model.embed_tokens.weight:
+    if vlm.tied_embeddings and vlm.lm_head.weight is not input_embeddings(vlm).weight:
         vlm.tie_weights()  # to_empty gives each module its own tensor; FSDP2 keeps its shared parameter tied itself
     vlm.init_buffers(device)
 

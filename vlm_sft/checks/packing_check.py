@@ -59,6 +59,7 @@ from vlm_sft.model.backends import Backends, resolve_backends
 from vlm_sft.model.layers import MLP, GatedAttention, GatedDeltaNet, ShortConv
 from vlm_sft.model.moe import SparseMoeBlock
 from vlm_sft.model.vlm import Qwen3_5VLM
+from vlm_sft.parallel.parallelize import VISION_TOWER, text_decoder, vision_tower
 
 logger = logging.getLogger(__name__)
 
@@ -250,8 +251,8 @@ class _OpRecorder:
 
     def __init__(self, vlm: Qwen3_5VLM) -> None:
         self.outputs: dict[str, torch.Tensor] = {}
-        self._handles = [vlm.model.language_model.register_forward_hook(self._hook(_HIDDEN))]
-        self._handles.append(vlm.model.visual.register_forward_hook(self._hook("vision|model.visual")))
+        self._handles = [text_decoder(vlm).register_forward_hook(self._hook(_HIDDEN))]
+        self._handles.append(vision_tower(vlm).register_forward_hook(self._hook(f"vision|{VISION_TOWER}")))
         for name, module in vlm.named_modules():
             for op, cls in OP_CLASSES.items():
                 if isinstance(module, cls):

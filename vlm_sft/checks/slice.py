@@ -64,6 +64,7 @@ from vlm_sft.model.vlm import Qwen3_5VLM
 from vlm_sft.parallel.collectives import all_reduce, full_tensor
 from vlm_sft.parallel.env import DistEnv
 from vlm_sft.parallel.fsdp import is_sharded, local_rows, shard_ranks
+from vlm_sft.parallel.parallelize import DECODER_LAYERS, INPUT_EMBEDDINGS, text_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +75,9 @@ SLICE_EXPERTS = 8
 SLICE_MLP_WIDTH = 512
 """Channels kept of a dense MLP or shared expert (per-token, like the experts; 512 is the 35B-A3B's own width): 9B's
 12288-wide MLPs are 70 % of its layers' parameters."""
-VOCAB_PARAMS = ("model.language_model.embed_tokens.weight", "lm_head.weight")
+VOCAB_PARAMS = (f"{INPUT_EMBEDDINGS}.weight", "lm_head.weight")
 """Parameters whose rows are vocabulary ids: the slice takes the rows of the ids in ``compact_vocab``."""
-_LAYERS = "model.language_model.layers."
+_LAYERS = f"{DECODER_LAYERS}."
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,7 @@ def _source_name(name: str, shape: SliceShape) -> str:
 def _skeleton(vlm: Qwen3_5VLM, config, shape: SliceShape) -> Qwen3_5VLM:
     """The slice's module tree on the meta device, with the model's backends and, if it has them, LoRA adapters on
     the modules that correspond to its adapted ones (peft, the model's own LoRA config)."""
-    checkpointing = vlm.model.language_model.activation_checkpointing
+    checkpointing = text_decoder(vlm).activation_checkpointing
     with torch.device("meta"):
         out = Qwen3_5VLM(config, vlm.backends, activation_checkpointing=checkpointing)
     peft_config = getattr(vlm, "peft_config", None)

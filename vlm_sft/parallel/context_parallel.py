@@ -96,8 +96,8 @@ so a run's ``cp`` has one type); ``apply_context_parallel(model, NO_CP)`` turns 
 
 class ContextParallelDecodeError(RuntimeError):
     """A token mixer wrapped for context parallelism was handed a decode cache: decoding runs with CP off (the
-    trainer's eval and generation turn it off; ``Qwen3_5VLM._cached_logits`` refuses it before any layer runs), so this is
-    a caller that skipped both."""
+    trainer's eval and generation turn it off; ``Qwen3_5VLM._cached_logits`` refuses it before any layer runs), so
+    this is a caller that skipped both."""
 
 
 def _refuse_cache(cache: object, module: nn.Module) -> None:

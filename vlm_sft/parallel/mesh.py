@@ -31,6 +31,15 @@ from vlm_sft.parallel.expert_parallel import ExpertParallel
 
 logger = logging.getLogger(__name__)
 
+DP = "dp"
+"""The data-parallel dimension's name in the device mesh."""
+CP = "cp"
+"""The context-parallel dimension's name."""
+EP = "ep"
+"""The expert-parallel dimension's name."""
+EDP = "edp"
+"""Under expert parallelism, the rest of data parallelism: the ranks that hold the same experts."""
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -64,8 +73,8 @@ class ParallelDims:
         """``(name, size)`` of every dimension of size > 1, outermost first (at least ``dp``; under expert
         parallelism ``edp`` and ``ep``, whatever their sizes)."""
         if self.ep > 1:
-            return (("edp", self.dp // self.ep), ("ep", self.ep))
-        return tuple((n, s) for n, s in (("dp", self.dp), ("cp", self.cp)) if s > 1) or (("dp", self.dp),)
+            return ((EDP, self.dp // self.ep), (EP, self.ep))
+        return tuple((n, s) for n, s in ((DP, self.dp), (CP, self.cp)) if s > 1) or ((DP, self.dp),)
 
 
 @dataclass(frozen=True)
@@ -100,12 +109,12 @@ def build_mesh(env: DistEnv, *, cp_size: int = 1, ep_size: int = 1) -> ParallelM
     fsdp = mesh if len(names) == 1 else mesh[names]._flatten("_".join(names))
     cp = NO_CP
     if dims.cp > 1:
-        cp = ContextParallel(group=mesh.get_group("cp"), rank=mesh.get_local_rank("cp"), size=dims.cp)
+        cp = ContextParallel(group=mesh.get_group(CP), rank=mesh.get_local_rank(CP), size=dims.cp)
     ep = None
     if dims.ep > 1:
-        ep = ExpertParallel(mesh["ep"], mesh.get_local_rank("ep"), dims.ep, mesh["edp"], env.world_size)
+        ep = ExpertParallel(mesh[EP], mesh.get_local_rank(EP), dims.ep, mesh[EDP], env.world_size)
         dp_rank = fsdp.get_local_rank()  # every rank reads its own rows: (edp, ep) flattened
     else:
-        dp_rank = mesh.get_local_rank("dp") if dims.dp > 1 else 0
+        dp_rank = mesh.get_local_rank(DP) if dims.dp > 1 else 0
     logger.info("mesh %s: this rank is dp rank %d, cp rank %d", dict(dims.named()), dp_rank, cp.rank)
     return ParallelMesh(dims, dp_rank, cp, ep, mesh, fsdp)

@@ -1,5 +1,6 @@
-"""``parallelize``: the one place that spreads a ``Qwen3_5VLM`` over ranks, and the only code that knows its module
-paths (the decoder layers and the vision tower).
+"""``parallelize``: the one place that spreads a ``Qwen3_5VLM`` over ranks, and the only code outside the model that
+knows its module paths (the text decoder, its layers and embedding, the vision tower): others ask ``decoder_layers``,
+``vision_tower`` and their siblings here.
 
 It applies, in order (torchtitan's): LoRA wrapping (before FSDP, so FSDP shards the wrapped layers; also on a meta
 model), activation checkpointing (each decoder layer recomputed in backward: the model's own switch), context
@@ -30,15 +31,34 @@ from vlm_sft.parallel.expert_parallel import fully_shard_experts, shard_experts,
 from vlm_sft.parallel.fsdp import fully_shard_units
 from vlm_sft.parallel.mesh import ParallelMesh, build_mesh
 
+TEXT_DECODER = "model.language_model"
+"""The text decoder's module path in a ``Qwen3_5VLM`` (transformers' names, as every path here)."""
+DECODER_LAYERS = f"{TEXT_DECODER}.layers"
+"""The decoder layers' ``nn.ModuleList``: layer ``i``'s parameters are named ``{DECODER_LAYERS}.{i}.*``."""
+INPUT_EMBEDDINGS = f"{TEXT_DECODER}.embed_tokens"
+"""The token embedding (the LM head's tied weight when ``tie_word_embeddings``)."""
+VISION_TOWER = "model.visual"
+"""The vision tower."""
+
+
+def text_decoder(model: nn.Module) -> nn.Module:
+    """The text decoder (``TEXT_DECODER``): embeddings, decoder layers, final norm."""
+    return model.get_submodule(TEXT_DECODER)
+
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The text decoder's layers (``model.language_model.layers``, transformers' names)."""
-    return model.model.language_model.layers
+    """The text decoder's layers (``DECODER_LAYERS``)."""
+    return model.get_submodule(DECODER_LAYERS)
+
+
+def input_embeddings(model: nn.Module) -> nn.Embedding:
+    """The token embedding (``INPUT_EMBEDDINGS``)."""
+    return model.get_submodule(INPUT_EMBEDDINGS)
 
 
 def vision_tower(model: nn.Module) -> nn.Module:
-    """The vision tower (``model.visual``, transformers' name)."""
-    return model.model.visual
+    """The vision tower (``VISION_TOWER``)."""
+    return model.get_submodule(VISION_TOWER)
 
 
 def routed_experts(model: nn.Module) -> list[nn.Module]:

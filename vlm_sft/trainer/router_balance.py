@@ -34,6 +34,7 @@ from vlm_sft.model.load_balance import RouterStats, load_balancing_loss
 from vlm_sft.model.moe import is_moe_text_config
 from vlm_sft.parallel.collectives import all_reduce_sum
 from vlm_sft.parallel.env import DistEnv
+from vlm_sft.parallel.parallelize import routed_experts
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class RouterBalance:
                 )
             return None
         coef = float(text.router_aux_loss_coef if requested is None else requested)
-        moe_layers = sum(1 for layer in model.model.language_model.layers if layer.moe_mlp)
+        moe_layers = len(routed_experts(model))
         balance = cls(coef=coef, num_layers=moe_layers, num_experts=int(text.num_experts))
         if log:
             source = "the checkpoint's" if requested is None else "model.router_aux_loss_coef"

@@ -32,6 +32,7 @@ from vlm_sft.parallel.context_parallel import NO_CP, ContextParallel
 from vlm_sft.parallel.env import DistEnv, cleanup, elastic_restart, init_distributed
 from vlm_sft.parallel.failure import FailureBoard, stop_peers
 from vlm_sft.parallel.mesh import build_mesh
+from vlm_sft.parallel.parallelize import vision_tower
 from vlm_sft.trainer.batches import (
     DataLayout,
     TrainBatches,
@@ -95,7 +96,7 @@ class Run:
     def __post_init__(self) -> None:
         self.timer = StepTimer(self.env.device)
         # The vision tower's share of each forward (it runs once per forward, on a dummy image when there is none).
-        self.vision_timer = ModuleTimer(self.model.model.visual, self.env.device)
+        self.vision_timer = ModuleTimer(vision_tower(self.model), self.env.device)
 
 
 CPU_COLLECTIVE_TIMEOUT_S = 600.0
