@@ -1,44 +1,24 @@
 """Manifests: every file of a checkpoint folder with its size and digest, written last, checked before a resume.
 
-A checkpoint is written atomically (``step-N.tmp`` renamed when complete, ``checkpoint.state``), which covers a run
-killed mid-save, but not what happens to the files afterwards: a shard cut short by a quota or a copy, a file deleted
-by a clean-up script, blocks lost with a node that died before the page cache reached the disk. Unchecked, such a
-checkpoint failed deep inside DCP (``PytorchStreamReader failed reading zip archive: failed finding central
-directory``), naming neither the file nor the checkpoint, or, with a file of the right size but other bytes, loaded
-without a word. ``MANIFEST.json``, written after every other file and before the folder is renamed into place::
+The atomic rename of ``step-N.tmp`` covers a run killed mid-save, not what happens to the files afterwards (a shard
+cut short, deleted, or with lost blocks at the right size). ``MANIFEST.json`` is written after every other file and
+before the rename::
 
     {"format": 1, "algorithm": "sha256", "chunk_bytes": 67108864,
      "files": [{"path": "__0_0.distcp", "size": 9183556, "digest": "5be1..."}, ...]}
 
-**The digest** of a file is a hash list: ``sha256(sha256(chunk 0) + sha256(chunk 1) + ...)`` over its 64 MiB chunks.
-The chunks hash in parallel (threads: hashlib releases the GIL while it hashes), and a resume spreads them over every
-rank, so a 13 GB shard is not one core's work. ``python -m vlm_sft.checkpoint.integrity DIR`` checks a folder by hand.
+- **Digest**: ``sha256(sha256(chunk 0) + sha256(chunk 1) + ...)`` over 64 MiB chunks of the whole file (a sample would
+  miss lost blocks mid-file), hashed in threads and, at resume, spread over the ranks.
+- **Durable**: each rank ``fsync``s the files it hashes, rank 0 the manifest, the marker and the folders
+  (``sync_files``), so the marker never vouches for bytes still in a page cache.
+- **Sealed subfolders** (``hf/``, sealed by ``export.export_final``) are not hashed again: their records are taken with
+  the folder's prefix and their ``MANIFEST.json`` is hashed as one more file.
+- **Who hashes**: at save, each rank the files it wrote, rank 0 gathers and writes the manifest; at resume, every rank
+  checks every size and hashes every ``world_size``-th chunk, and all reach one verdict.
 
-**The whole file, not a sample** (size plus its first and last MiB would cost nothing): a sample misses the failure
-that size alone misses too, a file of the right length with lost blocks in the middle (zeros after a node crash), and
-the whole file is affordable. Measured on this project's shared 2-core AMD EPYC box (a 1 GiB file in the page cache,
-best of 3, by hand): sha256 0.71 s/GiB on one thread (1.4 GiB/s: the CPU's SHA extensions, which the Xeons and EPYCs
-of H100/H200 hosts have too), blake2b 1.28 s/GiB, so sha256. A 9B full fine-tune writes about 108 GB of DCP state
-per checkpoint (fp32 weights and AdamW's two moments), 13.5 GB per rank on 8 GPUs: about 10 s on one thread, 1-2 s on
-8 (if the page cache or the disk keeps up), next to a write of the same bytes that takes tens of seconds; a resume
-reads every byte once more to check it, spread over every rank. A tiny CPU run's 12 MB checkpoint: 11 ms to seal
-(``save_checkpoint`` of the tiny model: 85 -> 100 ms), 9 ms to check.
-
-**On disk before it is called complete**: each rank ``fsync``s the files it hashes, rank 0 the manifest, the marker
-and the folder, and the parent folder after the rename (``sync_files``), so a checkpoint that a node's power loss
-could cut short after the save is never the one the marker vouches for (the manifest would still catch it).
-
-**Sealed subfolders**: a folder inside that has its own manifest (an HF export, ``hf/``, sealed by
-``export.export_final``) is not hashed again: its records are taken with the folder's prefix, and its
-``MANIFEST.json`` is hashed as one more file.
-
-**Who hashes**: at save, each rank the files it wrote (``writer``; its own bytes, from its own page cache), rank 0
-gathers the records (``parallel.collectives.gather_objects``), checks that every file of the folder has one, and
-writes the manifest. At resume every rank checks every file's size (a ``stat``), then hashes every ``world_size``-th
-chunk; the digests are gathered, so every rank reaches the same verdict.
-
-What a manifest does not cover: itself (``checkpoint.state`` records its digest in the ``COMPLETE`` marker) and files
-added to the folder later (never read: DCP reads the shards its ``.metadata`` names, which the manifest covers).
+Not covered: the manifest itself (the ``COMPLETE`` marker holds its digest) and files added later (never read).
+``python -m vlm_sft.checkpoint.integrity DIR`` checks folders by hand. The costs and the choice of sha256:
+docs/cluster.md, "Damaged checkpoints and failed saves".
 """
 
 from __future__ import annotations

@@ -1,45 +1,19 @@
 """Resumable training checkpoints: model and optimizer through torch distributed checkpoint (DCP), everything else in
 files that cannot run code when read.
 
-Layout under ``<output_dir>/checkpoints``::
+``<output_dir>/checkpoints/step-000100/`` holds the DCP shards (``.metadata``, ``__R_0.distcp``: tensors only,
+resharded on load), ``trainer_state.json`` (rank 0: step, scheduler, the optimizer's param_groups, the trainer's
+counters, world size), ``data-rank*.json`` (each rank's stream positions, joined into one global position on
+resume), ``rng-rank*.safetensors``, ``hf/`` (the weights as an HF directory, when asked), ``MANIFEST.json``
+(``checkpoint.integrity``) and ``COMPLETE``, written last. The layout, file by file: docs/outputs.md.
 
-    step-000100/                  complete checkpoint (has COMPLETE)
-        .metadata, __R_0.distcp   DCP: model and optimizer tensors only (LoRA runs: adapters and their optimizer
-                                  state); resharded on load, so any number of processes reads them
-        trainer_state.json        rank 0: step, scheduler, the optimizer's param_groups, extra counters, world size
-        data-rank00000.json       per rank: the data position of its streams (``trainer.batches``); a resume joins
-                                  every rank's file into one global position
-        rng-rank00000.safetensors per rank: torch (and CUDA) RNG states as tensors, numpy's and python's in the
-                                  safetensors metadata (JSON)
-        hf/                       the same weights as an HF directory with processor and tokenizer (when the trainer
-                                  asks; LoRA runs: hf/adapter/ only, the merged copy is written to final/), with its
-                                  own MANIFEST.json (``export.export_final``)
-        MANIFEST.json             every file above with its size and digest (``checkpoint.integrity``)
-        COMPLETE                  written last: the step, the world size and the manifest's own digest
-    step-000200.tmp/              a save in progress, or one killed mid-write: never loaded, removed by the next save
-
-No pickle is ever read: JSON and safetensors hold plain values and tensors, the DCP state holds tensors only (DCP
-stores any other value as a pickle and reads it with ``torch.load(weights_only=False)``; the optimizer's
-``param_groups`` go to ``trainer_state.json`` instead), and DCP's own ``.metadata``, which torch writes with pickle,
-is read by ``parallel.dcp.SafeReader``, an unpickler that admits only DCP's metadata classes.
-
-Another world size: DCP reshards model and optimizer, the data position is global, and each rank restores the RNG
-state of its own rank when the checkpoint has it, else rank 0's (the data order never depends on the global RNG;
-dropout does).
-
-A save writes into ``step-N.tmp`` and is renamed into place by rank 0 only after every rank finished, so a run
-killed mid-save resumes from the previous complete checkpoint. Only the last ``keep_last`` complete ones are kept.
-Multi-node runs need ``output_dir`` on a filesystem every node sees.
-
-**Damage** after the save (a file truncated or deleted, other bytes in it) is found before a resume reads anything
-(``checkpoint.resume``: ``latest`` falls back to the newest intact checkpoint, a damaged one named by path is refused
-naming the file).
-
-**A failed save** (a full disk, no permission: on any rank, in any file) touches no earlier checkpoint and stops every
-rank: the failing rank raises ``CheckpointSaveError`` naming the checkpoint, the folder and the error, the others
-``PeerFailure`` (``parallel.collectives``). Its ``step-N.tmp`` is removed when every rank stopped at the same point
-(an agreement, DCP's own error, one process); after a failure on one rank alone (Ctrl-C on rank 0, an error between
-two collectives) the others may still write there, so the next save removes it.
+- **No pickle is read**: JSON and safetensors hold plain values, the DCP state tensors only (``param_groups`` go to
+  ``trainer_state.json``), and DCP's pickled ``.metadata`` is read by ``parallel.dcp.SafeReader``.
+- **Another world size** resumes: DCP reshards, the data position is global, and each rank restores its own RNG
+  state where the checkpoint has it, else rank 0's.
+- **Atomic**: a save writes ``step-N.tmp``, renamed by rank 0 once every rank finished; the last ``keep_last``
+  complete ones are kept. A failed save on any rank raises ``CheckpointSaveError`` there (``PeerFailure`` on the
+  others), touches no earlier checkpoint, and its ``.tmp`` is removed now or by the next save.
 """
 
 from __future__ import annotations

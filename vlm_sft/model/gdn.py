@@ -87,10 +87,8 @@ def gated_delta_rule(
 def default_chunk_size(k_dim: int) -> int:
     """The torch backend's chunk size for key heads of ``k_dim``: ``k_dim`` itself, within [16, 64].
 
-    A chunk's own algebra costs ``C x C`` per head and token (the decays, ``A``, ``attn``, the triangular solve), the
-    scan ``K x V / C``; with ``K = V = 16`` (the tiny model) chunks of 16 ran fwd + bwd 2.0x faster than chunks of 64
-    and 1.3x faster than 32 on the bfd rows of the long-tailed data, and chunks of 8 were slower again; with
-    ``K = V = 128`` (the real model) 64 and 32 were alike and 16 1.3x slower.
+    A chunk's own algebra costs ``C x C`` per head and token, the scan ``K x V / C``, so small heads want small chunks
+    (16 for the tiny model, 64 for the real one; timings: bench/README.md, "GatedDeltaNet CPU kernel").
     """
     return min(64, max(16, k_dim))
 
@@ -172,9 +170,8 @@ def _strictly_upper(chunk_size: int, device: torch.device) -> torch.Tensor:
 
 
 SINGLE_CHUNK_MAX = 64
-"""Segments up to this long form single-chunk groups at their own width even when the chunk size is shorter: on the
-shapes data's rows (segments of 30-50 tokens) they ran 1.28x faster on 2 threads than as 2-4 chunks of 16 (alike on
-1 thread); on the long tail's rows it made no difference."""
+"""Segments up to this long form single-chunk groups at their own width even when the chunk size is shorter (faster
+on rows of short segments; bench/README.md, "GatedDeltaNet CPU kernel")."""
 GROUP_LINEAR_COST = 32
 """Bucketing weight of the per-slot (``[C, K]``-sized) work against the ``[C, C]``-sized work of a chunk."""
 GROUP_FIXED_COST = 12_000
@@ -225,12 +222,11 @@ class UnitLowerSolve(torch.autograd.Function):
     ``dA = -strictly_lower(dB X^T)``; ``A``'s diagonal and upper triangle are never read. By the size ``C``:
 
     - a power of two (the multi-chunk groups): ``L^-1`` by blocked inversion (``unit_lower_inverse``), then ``X`` and
-      ``dB`` are matmuls. torch's batched ``solve_triangular`` of many small matrices collapsed on 2 threads
-      (``[1036, 16, 16]``, 32 right-hand sides: 44 ms a call, 2-5 ms on 1 thread); the inverse took the long-tail rows'
-      kernel from 3.3 s to 1.0 s there, and is as fast as the solve on 1 thread, at 16 and at 64;
+      ``dB`` are matmuls: torch's batched ``solve_triangular`` of many small matrices is slow on several threads;
     - otherwise (single-chunk groups, as wide as their longest segment): ``solve_triangular``, and ``dB^T`` by the same
-      lower solve from the right (``dB^T L = dX^T``) on the contiguous ``L``, half the cost of torch's own backward
-      (a solve of ``L^T`` on a transposed view); padding to a power of two made shapes rows 0.79x as fast (1 thread).
+      lower solve from the right (``dB^T L = dX^T``) on the contiguous ``L``, half the cost of torch's own backward.
+
+    The timings behind both choices: bench/README.md, "GatedDeltaNet CPU kernel".
     """
 
     @staticmethod

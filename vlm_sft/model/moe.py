@@ -8,49 +8,19 @@ Math (transformers' ``Qwen3_5MoeSparseMoeBlock``, per token ``x`` of width D)::
     routed = sum_i w_i * down_{e_i}(silu(gate_{e_i} x) * up_{e_i} x)
     y = routed + sigmoid(g . x) * shared_expert(x)
 
-The renormalisation over the top k is unconditional: ``Qwen3_5MoeTextConfig`` deletes ``norm_topk_prob`` (its
-router always divides by the top-k sum). Every step above is per token, so a packed row needs no ``seq_lens`` here:
-a token's output and gradients do not depend on which other tokens share the batch. (The auxiliary load-balancing
-loss is the exception; it is computed later from the returned router logits, never inside this block.)
+The top-k renormalisation is unconditional (``Qwen3_5MoeTextConfig`` has no ``norm_topk_prob``). Every step is per
+token, so a packed row needs no ``seq_lens`` here (the load-balancing loss is computed later, from the logits).
+Parameter names and shapes are transformers' in-memory ones: ``gate.weight`` ``[E, D]``, ``experts.gate_up_proj``
+``[E, 2I, D]`` (gate rows, then up rows), ``experts.down_proj`` ``[E, D, I]``, ``shared_expert.*``,
+``shared_expert_gate.weight`` ``[1, D]``; the per-expert keys on disk are the checkpoint adapter's job.
 
-Parameter names and shapes equal transformers' in-memory modules, so a state dict loads either way unchanged:
-``gate.weight`` ``[E, D]``; ``experts.gate_up_proj`` ``[E, 2I, D]`` (the I gate rows, then the I up rows);
-``experts.down_proj`` ``[E, D, I]``; ``shared_expert.{gate,up,down}_proj.weight``; ``shared_expert_gate.weight``
-``[1, D]``. (On disk transformers writes per-expert keys through a conversion mapping; that is the checkpoint
-adapter's job, not this module's.)
-
-Expert compute, two paths with one signature and one result (``EXPERT_PATHS``; ``backends.resolve_backends`` picks
-one, ``Experts.forward`` / ``SparseMoeBlock.forward`` take its name):
-
-- ``sorted_experts_mlp`` ("sorted"): the exact pure-torch reference, on any device and dtype. Token slots are sorted
-  by expert, each active expert runs one matmul pair over its contiguous slice, and the slots are put back in token
-  order. There is no capacity factor: an expert takes however many tokens choose it, so no token is ever dropped.
-  It reads the per-expert counts on the host (one sync per call, which stalls a CUDA stream).
-- ``grouped_experts_mlp`` ("grouped_mm"): the same sort, then ``torch._grouped_mm`` runs all experts' matmuls in
-  one call from the per-expert offsets, a device int32 tensor: our code never reads a value on the host. On CUDA
-  sm90 / sm100 with bf16 operands that is one CUTLASS grouped GEMM, with no sync in forward or backward; elsewhere
-  (the CPU, fp32, older GPUs) torch runs it as a C++ loop of one ``mm`` per expert, i.e. the sorted path's matmuls
-  without Python between them (on such a GPU torch copies the offsets to the host at each call). On the CPU it is
-  the faster of the two (``bench/bench_moe.py``). Its constraints, from torch's ``_grouped_mm`` checks: fp32 / bf16
-  / fp16 operands of one dtype (it is not autocast-enabled, so the operands are cast here to the dtype autocast would
-  give ``F.linear``); every operand row- or column-major with its leading stride a multiple of 16 bytes (hence
-  hidden and expert intermediate sizes multiples of 4 in fp32, 8 in bf16: ``check_grouped_mm_widths``; Qwen3.5's
-  2048 and 512 are); and an incoming gradient with real strides: its backward refuses a broadcast (stride-0) one,
-  such as the gradient of a ``.sum()`` of the product. Here the elementwise products after each grouped product
-  already hand it a dense gradient; ``_grouped_linear`` densifies it anyway, so the product is safe on its own.
-
-Activation checkpointing replays the forward's routing (``RoutingReplay``). A checkpointed decoder layer is run
-again in backward; if that recompute picked other top-k experts than the forward did (near-tied probabilities, bf16,
-a nondeterministic kernel), torch's non-reentrant checkpoint would raise on the changed saved-tensor shapes or, where
-the shapes happen to agree, silently compute gradients for a routing the forward never used. So the decoder passes
-``routing_replay_contexts`` as the checkpoint's ``context_fn``: each checkpointed call gets its own ``RoutingReplay``;
-its forward records every MoE block's ``experts_TK`` in call order (int64, ``8 T K`` bytes per block), and its
-recompute hands them back to the router, which skips the top-k and gathers the recomputed probabilities at those
-ids. The weights, and so every gradient, are then exactly those of the forward. The forward takes its weights the
-same way (top-k ids from detached probabilities, then a ``gather``), which is the same numbers and gradient as
-``torch.topk``'s values and makes forward and recompute save the same tensors. The record lives in the checkpoint's
-closure, so it is freed with the autograd graph: no global stash to go stale across micro-batches or a no-grad
-forward (which never records: checkpoint does not run there). Outside a checkpointed call nothing is recorded.
+Expert compute, one signature and one result (``EXPERT_PATHS``, picked by ``backends.resolve_backends``):
+``sorted_experts_mlp`` ("sorted", the pure-torch reference: slots sorted by expert, one matmul pair per active
+expert, one host sync per call) and ``grouped_experts_mlp`` ("grouped_mm": the same sort, then one
+``torch._grouped_mm`` from device offsets, no host read; its width rule is ``check_grouped_mm_widths``). No capacity
+factor on either. Activation checkpointing replays the forward's routing (``RoutingReplay``,
+``routing_replay_contexts``), so a recompute that would pick other experts cannot change the gradients. Why, and what
+``_grouped_mm`` needs: docs/moe.md, "Design notes".
 
 Legend: T = tokens, D = hidden size, E = experts, K = experts per token (top-k), I = expert intermediate size,
 F = 2I (fused gate and up rows), N = T * K routed token slots.
@@ -308,7 +278,7 @@ class SparseMoeBlock(nn.Module):
 
 class RoutingReplay:
     """The top-k expert ids that one checkpointed call's forward chose, one ``[T, K]`` tensor per MoE block in call
-    order, handed back in that order to each recompute of the call (see the module docstring)."""
+    order, handed back in that order to each recompute of the call (why: docs/moe.md, "Design notes")."""
 
     def __init__(self) -> None:
         self.experts: list[torch.Tensor] = []

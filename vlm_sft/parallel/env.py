@@ -1,26 +1,17 @@
 """Where this process sits in the job: the process group, the device, and leaving both at the end.
 
-accelerate is the launcher and the environment (it sets RANK / WORLD_SIZE / LOCAL_RANK like torchrun); sharding is
-ours (``parallel.fsdp``), done with ``torch.distributed.fsdp.fully_shard`` on a device mesh, so the same code path
-runs on CPU (gloo) and CUDA (NCCL). accelerate's own FSDP plugin does not shard on CPU, which is why it is not used
-(measured-facts.md).
+accelerate (or torchrun) launches and sets RANK / WORLD_SIZE / LOCAL_RANK; sharding is ours (``parallel.fsdp``,
+``fully_shard`` on a device mesh), so CPU (gloo) and CUDA (NCCL) take one code path: accelerate's own FSDP plugin
+does not shard on the CPU.
 
-**Which device serves which collective.** NCCL serves CUDA tensors only ("No backend type associated with device type
-cpu"), so on CUDA the process group is created as ``cpu:gloo,cuda:nccl``: FSDP's parameter and gradient collectives
-and context parallelism's all-to-alls run on the GPU through NCCL, and the trainer's own small ones
-(``parallel.collectives``) through gloo.
-
-**Elastic restarts** (``torchrun --max-restarts N``, ``accelerate launch --max_restarts N``): the elastic agent hosts
-the job's TCP store and keeps it across restarts. Through torch's default ``env://`` join, a restarted worker that
-reaches the store before its peer reads the peer's address from the dead attempt and dials it until it gives up
-("connectFullMesh failed ... Connection refused") or until the group's timeout (10 minutes in
-``_new_process_group_helper``; measured-facts.md): the restart joined only when both workers arrived at the same
-moment. Under the agent's store every attempt therefore joins under its own key prefix,
-``vlm_sft/attempt<TORCHELASTIC_RESTART_COUNT>`` (``join_store``). It is used on the first attempt too, so every
-torchrun and accelerate run takes the path a restart takes, not only runs after a failure. One node only: on several
-nodes the agents can count restarts differently (a healthy node restarts its workers for a peer's failure without
-counting it), so multi-node jobs set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which gives each attempt a fresh store
-(and takes the default path here).
+- **Which device serves which collective**: NCCL serves CUDA tensors only, so on CUDA the group is
+  ``cpu:gloo,cuda:nccl``: FSDP's and context parallelism's collectives on the GPU, the trainer's own small ones
+  (``parallel.collectives``) on gloo.
+- **Elastic restarts**: under the elastic agent's TCP store every attempt joins under its own key prefix,
+  ``vlm_sft/attempt<TORCHELASTIC_RESTART_COUNT>`` (``join_store``; the first attempt too, so every run takes the path
+  a restart takes); through torch's default join a restarted worker could read the dead attempt's addresses and wait
+  out the group's 10-minute timeout. One node only: multi-node jobs set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` and
+  take the default path. What was seen, and the recipe: docs/cluster.md, "Elastic restarts".
 """
 
 from __future__ import annotations
@@ -167,14 +158,11 @@ def end_children(wait_s: float = 5.0) -> None:
 def end_process(code: int) -> NoReturn:
     """End a process of a multi-process run with ``code``, without the interpreter's teardown.
 
-    A finished multi-process run on gloo sometimes aborted after its last line of Python ("terminate called without
-    an active exception", SIGABRT), so its launcher reported a failure for a run whose work was complete. It struck
-    2- and 4-process runs (1 in 38 repeats of a 4-process context-parallel run here, and CI twice), with the barrier
-    and ``destroy_process_group`` of ``cleanup`` done; Python's fault handler showed no Python frame, i.e. the abort is
-    in the C++ destructors that run while the interpreter finalizes. Every file the trainer writes is closed by then
-    (checkpoints, metrics, accounting), so what is left to do is flush what Python still buffers (the log handlers,
-    stdout, stderr) and leave with ``os._exit``, which skips those destructors. Only the CLI calls this, never
-    ``train()`` (a caller in the same process, e.g. a test, keeps its interpreter)."""
+    A finished run on gloo could abort in the C++ destructors that run while the interpreter finalizes (SIGABRT after
+    its last line of Python, so its launcher reported a failure): every file is closed by then, so this flushes the
+    log handlers, stdout and stderr and leaves with ``os._exit``. Only the CLI calls it, never ``train()`` (a caller
+    in the same process keeps its interpreter). How often it struck: docs/cluster.md, "Every exit ends its data
+    workers and has its code"."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

@@ -1,36 +1,22 @@
 """Expert parallelism: each MoE layer's routed experts split over a group of ranks, tokens sent to their experts.
 
-``train.ep_size`` consecutive ranks form an expert-parallel group (``parallel.mesh``'s ``ep`` dimension); rank ``r``
-of a group holds experts ``[r * E / ep, (r + 1) * E / ep)`` of every MoE layer, as a DTensor sharded on dim 0 over
-the group (``shard_experts``). The groups that hold the same experts (``edp``, the rest of data parallelism) do not
-keep copies: FSDP2 shards each rank's experts further over them (``fully_shard_experts``: every layer's experts a unit
-of their own on the ``edp`` mesh, gathered over ``edp`` only, never over ``ep``), so a rank holds ``1 / W`` of the
-experts as of every other weight. The experts' parameters are DTensors of the ``(edp, ep)`` mesh, placements
-``(_StridedShard(0), Shard(0))``: rank ``(i, j)`` holds rows ``chunk_i`` of group block ``j``, one contiguous range of
-experts, so the checkpoint keys, DCP's resharding (another ``ep_size`` or world size), the sharded load (each rank
-reads its rows: ``parallel.fsdp.local_rows``) and the streamed export see the usual ``[E, ...]`` tensors.
+``train.ep_size`` consecutive ranks form a group (the mesh's ``ep`` dimension); group rank ``r`` holds experts
+``[r * E / ep, (r + 1) * E / ep)`` of every layer (``shard_experts``), and FSDP2 shards them further over the ranks
+that hold the same ones (``edp``; ``fully_shard_experts``: one unit per layer, gathered over ``edp`` only), so a rank
+holds ``1 / W`` of the experts. They stay DTensors of the usual ``[E, ...]`` shape, so checkpoints, DCP resharding,
+the sharded load and the export see no difference.
 
-The forward of each layer's ``Experts`` is wrapped from outside (``wrap_experts``; the model stays free of
-``torch.distributed``), around the same routing (router, top-k and weights are computed on the token's own rank):
+``wrap_experts`` wraps each layer's ``Experts`` from outside (the model never imports ``torch.distributed``), after
+routing on the token's own rank:
 
-1. the ``N = T * K`` routed slots are sorted by expert (``moe.sort_by_expert``), so the slots for rank ``j``'s
-   experts are one contiguous block; the block sizes are exchanged first (one all-to-all of ``ep`` counts, read on
-   the host once per layer: the variable-size all-to-all needs them);
-2. **dispatch**: one all-to-all of variable sizes sends every slot's hidden state (and its expert's local index) to
-   the rank that holds its expert; **no slot is ever dropped** (no capacity factor);
-3. each rank runs its experts over the slots it received, by the run's expert path (``sorted`` / ``grouped_mm``),
-   unweighted;
-4. **combine**: the reverse all-to-all brings each slot's output home, where it is scaled by its routing weight,
-   put back in token order and summed over the k experts, exactly as ``moe.sorted_experts_mlp`` does.
+1. the ``N = T * K`` slots are sorted by expert and the block sizes exchanged (one small all-to-all, read on the host);
+2. **dispatch**: one variable-size all-to-all sends every slot to its expert's rank; no slot is dropped;
+3. each rank runs its experts over what it received (``sorted`` / ``grouped_mm``), unweighted;
+4. **combine**: the reverse all-to-all brings the outputs home, weighted and summed as ``moe.sorted_experts_mlp`` does.
 
-Both all-to-alls are autograd-aware: backward sends the gradients the other way. A rank that receives no slot still
-joins both (its experts get a zero gradient), so every rank issues the same collectives.
-
-**Gradients.** The loss scale (``trainer.loop``) assumes FSDP2's average over all ``W`` ranks. An expert's local
-gradient already sums the contributions of every token its group dispatched to it, so FSDP2's reduce-scatter over
-``edp`` sums it over the ranks that hold the same experts and divides by ``W`` (``set_gradient_divide_factor``): the
-same gradient as without expert parallelism, reduced once per optimizer step with the others (``micro_batches > 1``
-accumulates it unsharded until the step's last backward, as for every unit).
+Both all-to-alls carry gradients back, and a rank with no slot still joins them. FSDP2's reduce-scatter over ``edp``
+divides the expert gradients by ``W`` (``set_gradient_divide_factor``): the update of ``ep_size = 1``. The design and
+its tests: docs/moe.md, "Expert parallelism".
 
 Legend: T = tokens, D = hidden size, E = experts (global), L = experts on this rank (E / ep), K = experts per token,
 N = T * K routed slots, R = slots received from the group, F = 2I fused gate and up rows, I = expert width.

@@ -1,38 +1,20 @@
 """Stopping a run on request: SIGTERM or SIGUSR1 -> every rank saves one checkpoint at the same step and exits with
 ``PREEMPTED_EXIT_CODE``.
 
-Schedulers announce the end of a job with a signal: Slurm sends SIGTERM at preemption or cancellation (SIGKILL
-follows after its grace time) and, with ``--signal=USR1@<seconds>``, SIGUSR1 ahead of the time limit; Kubernetes sends
-SIGTERM before it kills a pod. The protocol:
-
 1. **The handler only records the request** (``StopRequest.handle``): no collective, no file, no lock, one
-   ``os.write`` to stderr. Python runs it on the main thread between bytecodes, so it never interrupts a collective.
-2. **Every rank agrees at the next step boundary.** The flag rides on the step's one control-plane all-reduce
-   (``trainer.step_batches``), summed over ranks: one rank that got the signal is enough, and every rank reads the
-   same sum, so every rank decides the same. No collective is added.
-3. **The agreed step is trained, then saved exactly as a periodic checkpoint** (``trainer.loop``): data position,
-   RNG, scheduler and trackers resume as from any checkpoint (the step's batches were drawn already, so the first
-   consistent point is the end of that step). The run logs it (and a ``{"event": "preempted"}`` record in
-   ``metrics.jsonl``), skips the final export and every process exits with ``PREEMPTED_EXIT_CODE``. A stop agreed
-   before this attempt trained any step exits without a save: nothing is newer than what it started from. A stop
-   agreed at the last step saves and exits the same way (no eval, no export: the grace time may be short); the
-   resume then only evaluates and writes ``final/``.
-4. **A second signal exits at once**, by the signal itself (the default action: no checkpoint). A repeat within
-   ``REPEAT_WINDOW_S`` of the first is the same request delivered twice, not a second one: a scheduler that signals
-   every process of the job (Slurm's cgroup) reaches the workers directly *and* through their launcher, which
-   forwards it (torchrun, ``accelerate launch``). "At once" is when the main thread next runs Python: a rank blocked
-   in a wait that never returns (an NCCL collective with a dead peer) ends only by SIGKILL. That is also what
-   torchrun's restart after a dead worker now waits for (the survivors get SIGTERM, then SIGKILL after
-   ``--shutdown-timeout``) where a survivor does not fail on its own; over gloo it fails at once.
-5. **Data worker processes ignore the first stop signal** (``data_worker_init``, the DataLoader's
-   ``worker_init_fn``): a scheduler that signals every process of the job would otherwise end a data worker (torch
-   installs a SIGTERM handler in each worker that exits on any sender but its parent), and its training process would
-   fail at once (torch's SIGCHLD check) instead of saving. They end with their training process; a second signal
-   ends them as usual.
+   ``os.write`` to stderr; Python runs it on the main thread between bytecodes, never inside a collective.
+2. **Every rank agrees at the next step boundary**: the flag rides, summed over ranks, on the step's one
+   control-plane all-reduce (``trainer.step_batches``); one signalled rank is enough and no collective is added.
+3. **The agreed step is trained, then saved as a periodic checkpoint** (``trainer.loop``; its batches were drawn, so
+   the end of the step is the first consistent point); the final eval and export are skipped. A stop before this
+   attempt trained a step saves nothing (nothing is newer than its start).
+4. **A second signal exits at once** by its default action; a repeat within ``REPEAT_WINDOW_S`` is the same request
+   delivered twice (a scheduler signalling every process reaches a worker directly and through its launcher).
+5. **Data worker processes ignore the first signal** (``data_worker_init``): torch's worker SIGTERM handler would end
+   them, and their training process would fail instead of saving.
 
-The run must finish its step and its save within the grace time it is given: torchrun waits ``--shutdown-timeout``
-(default 30 s) after forwarding the signal before it kills its workers, ``accelerate launch`` with one process 5 s,
-Slurm ``GraceTime`` / ``KillWait``, Kubernetes ``terminationGracePeriodSeconds``.
+The step and the save must fit in the launcher's and the scheduler's grace time. Launchers, grace times and the
+Slurm recipe: docs/cluster.md, "Stop signals".
 """
 
 from __future__ import annotations
