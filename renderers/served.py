@@ -4,7 +4,7 @@ A server (transformers, vLLM, SGLang) renders a request as ``apply_chat_template
 add_generation_prompt=True)`` with the checkpoint's own template and no further arguments, tokenizes that text as
 one string, and lets the model continue. Training must therefore have shown the model that exact prompt, token for
 token, right before every reply it learns. Two things can break that, both measured on this project's default run
-(shared/reference/measured-facts.md):
+(docs/serving.md, "Served as trained"):
 
 - **The template's default mode.** Qwen3.5's template opens a think block in the generation prompt
   (``<|im_start|>assistant\\n<think>\\n``) unless ``enable_thinking=false``, which closes an empty one

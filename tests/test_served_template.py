@@ -1,7 +1,7 @@
 """Served as trained: the saved checkpoint's template, called as a server calls it, prompts exactly the tokens the run
 trained before each reply (``renderers.served``, ``renderers.parity.check_served_prompt``).
 
-The measured failure this guards against (shared/reference/measured-facts.md): the default run trained replies as
+The measured failure this guards against (docs/serving.md, "Served as trained"): the default run trained replies as
 ``<think>``, ``\\n\\n``, ``</think>``, ... while the template's default (thinking) prompt ends ``<think>``, ``\\n``;
 served the default way it answered 30 of 70 colour questions instead of 70.
 """

@@ -4,7 +4,7 @@ training whatever the launcher.
 **OpenMP's wait policy.** torch's CPU kernels run on GNU OpenMP, whose idle threads spin by default while they wait
 for the next parallel region. On a machine whose cores are shared (another job, the trainer's own data workers) a
 spinning thread holds a core that the thread it waits for needs: 2-thread CPU steps of the default run ran 10-40x
-slower under load until ``OMP_WAIT_POLICY=PASSIVE`` (measured-facts.md, 2026-12-04). ``prepare_cpu_env()`` sets it
+slower under load until ``OMP_WAIT_POLICY=PASSIVE`` (2026-12-04; docs/configuration.md, "CPU threads"). ``prepare_cpu_env()`` sets it
 unless it is set already, and must run before torch is imported: OpenMP reads its environment once, when torch
 loads it. ``vlm_sft/train.py`` calls it before its other imports; the bench harness calls it too.
 
