@@ -226,7 +226,7 @@ def check_served_prompt(
             reply_start,
             f"the served prompt (arguments {serve_kwargs or 'none'}) ends {prompt_text[-40:]!r}, but the run trains "
             f"the reply after {full_text[max(reply_start - 40, 0) : reply_start]!r}: a server would not prompt the "
-            "model with the text training showed before this reply (README: Served as trained)",
+            "model with the text training showed before this reply (docs/serving.md)",
         )
     prompt = processor.apply_chat_template(
         messages[:last], tokenize=True, return_dict=True, return_tensors="pt", **kwargs

@@ -190,7 +190,7 @@ class DataConfig(RowFormat, Scoring):
     template (so a server's default prompt is the one training showed), the eval's generation prompts, and where
     each reply's tokens start. false: the generation prompt closes an empty think block, for data without
     ``reasoning_content`` (most SFT data; the default run). true: the prompt opens the think block, for reasoning
-    data. A run warns when the data's last turns disagree with it (README: Served as trained)."""
+    data. A run warns when the data's last turns disagree with it (docs/serving.md)."""
     special_text: Literal["escape", "drop", "error"] = "escape"
     """What to do with special-token strings (e.g. ``<|image_pad|>``) typed in user text."""
     image_root: str | None = None
@@ -243,7 +243,7 @@ class DataConfig(RowFormat, Scoring):
     on local disk; rows are visited in shard order (no global shuffle)."""
     sources: list[SourceConfig] = []
     """A weighted mixture (``[[data.sources]]`` tables) instead of the one ``source``: each training sample comes from
-    a source drawn by weight (README: Mixing sources). Empty: ``source`` alone."""
+    a source drawn by weight (docs/data.md). Empty: ``source`` alone."""
     eval_sources: list[SourceConfig] = []
     """Held-out sources (``[[data.eval_sources]]``), each scored on its own too (``eval_loss/<name>``); empty:
     ``eval_source``."""
@@ -347,7 +347,7 @@ class TrainConfig(Section):
     steps, on the device only during the step, when activations and gathered layers are freed: the training peak
     drops to the larger of the forward / backward peak and the step's (``python -m vlm_sft.checks.memory_plan``). It
     costs host memory (the state, pinned) and two copies of it over PCIe per step; the update is the same, bit for
-    bit. For Qwen3.5-35B-A3B on 8 x 80 GB (README: Big models)."""
+    bit. For Qwen3.5-35B-A3B on 8 x 80 GB (docs/memory.md)."""
     grad_clip: float | None = Field(1.0, gt=0)
     """Max global gradient norm; None disables clipping."""
     max_nonfinite_steps: int = Field(3, ge=1)

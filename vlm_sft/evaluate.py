@@ -41,7 +41,7 @@ def _parser():
     parser.add_argument("--metric", choices=METRICS, help="the metric of --source")
     parser.add_argument("--subset", help="--source's subset (a hub dataset's config name)")
     parser.add_argument("--split", help="--source's split (default: data.split)")
-    parser.add_argument("--instruction", help="--source's answer-format suffix (README: Benchmark scores)")
+    parser.add_argument("--instruction", help="--source's answer-format suffix (docs/serving.md)")
     parser.add_argument("--thinking", choices=("true", "false"), help="--source's thinking mode")
     parser.add_argument(
         "--max-new-tokens", type=int, help="--source's longest reply (default train.eval_generate_max_tokens)"

@@ -237,7 +237,7 @@ def planned_backends(cfg: RunConfig, device_type: str) -> Backends:
     """The kernels a plan of ``cfg`` assumes: on the CPU what a CPU run resolves (``resolve_backends("cpu")``); on
     CUDA each backend the config names, and for ``auto`` those of ``GPU_BACKENDS`` (flash-attn and
     flash-linear-attention installed, the README's set-up), on any machine, so a plan made on a laptop and the
-    README's table agree. ``--dry-run`` plans with the model's own, resolved kernels instead."""
+    table in docs/memory.md agree. ``--dry-run`` plans with the model's own, resolved kernels instead."""
     m = cfg.model
     if device_type == "cpu":
         from vlm_sft.model.backends import resolve_backends
@@ -324,7 +324,7 @@ TABLE_SETTINGS = {
     "data.max_image_patches_per_pack": 65536,
     "train.micro_batches": 1,
 }
-"""The settings of the README's table: the shipped GPU configs' (bf16, activation checkpointing, 16k-token rows,
+"""The settings of the table in docs/memory.md: the shipped GPU configs' (bf16, activation checkpointing, 16k-token rows,
 frozen vision tower), one micro-batch per step; the default fused AdamW."""
 
 

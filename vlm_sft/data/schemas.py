@@ -182,7 +182,7 @@ def detect_schema(columns: Collection[str], mapping: RowMapping = AUTO, *, name:
     raise SchemaError(
         f"{name}: no schema fits ({have}); the loader reads messages, conversations (ShareGPT), texts (pairs), "
         "prompt + completion, or a question + answer column; for anything else set format and the *_column / "
-        "role_key / content_key / roles settings (README: Your data)"
+        "role_key / content_key / roles settings (docs/data.md)"
     )
 
 

@@ -71,7 +71,7 @@ def check_served_video(renderer: Any, processor: Any) -> None:
                 f"the checkpoint's chat template writes the probe's video as {_video_text(text)!r}, not as "
                 f"{VIDEO_WRAPPER!r}: transformers' Qwen3-VL processor expands only that wrapper into the video's "
                 "timestamps and pads, so a server would not prompt a video with the tokens the run trains on "
-                "(README: Served as trained)",
+                "(docs/serving.md)",
             )
     if not full.startswith(prompt):
         raise TemplateParityError(
@@ -107,7 +107,7 @@ def check_served_video(renderer: Any, processor: Any) -> None:
             pos,
             f"{field}: the run trains {context[0]} where the served template, its video expanded as transformers' "
             f"processor expands it, gives {context[1]} ({len(ours)} vs {len(theirs)} tokens): a server would show "
-            "the model this video otherwise than training did (README: Served as trained)",
+            "the model this video otherwise than training did (docs/serving.md)",
         )
 
 
