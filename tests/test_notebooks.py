@@ -187,6 +187,33 @@ def test_notebook_runs_top_to_bottom_and_draws(name, executed, tmp_path):
     assert (NOTEBOOK_DIR / name).read_bytes() == committed, "the test must not rewrite the committed notebook"
 
 
+def video_cell_problems(nb: nbformat.NotebookNode) -> list[str]:
+    """Why ``explore_packing``'s video cell did not show a packed video sample's frames: absent, no picture, or the
+    frames drawn are not the pack's own patch rows."""
+    cells = [c for c in nb.cells if c.cell_type == "code" and "plot_video(" in c.source]
+    if len(cells) != 1:
+        return [f"{len(cells)} cells call plot_video"]
+    outputs = cells[0].outputs
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    problems = [] if "the pack holds the render's patch rows: True" in text else [f"printed {text!r}"]
+    if not any("image/png" in o.get("data", {}) for o in outputs):
+        problems.append("no picture of the frames")
+    return problems
+
+
+def test_explore_packing_shows_a_packed_video_samples_frames(executed):
+    """The video cell runs in the suite's execution (its clip copied from ``tests/fixtures/video`` beside the data)
+    and draws the frames of the pack's video sample; the same check refuses the notebook without its outputs."""
+    nb = executed["explore_packing.ipynb"]
+    if isinstance(nb, BaseException):
+        raise nb
+    assert video_cell_problems(nb) == []
+    blank = copy.deepcopy(nb)
+    for cell in (c for c in blank.cells if c.cell_type == "code"):
+        cell.outputs = []
+    assert video_cell_problems(blank) == ["printed ''", "no picture of the frames"]
+
+
 def test_broken_import_fails_the_run(tmp_path):
     nb = _inject(_read(NOTEBOOKS[0]), "import vlm_sft.does_not_exist")
     with pytest.raises(CellExecutionError, match="ModuleNotFoundError"):
