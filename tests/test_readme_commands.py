@@ -494,6 +494,18 @@ def test_every_documented_training_command_names_settings_that_exist():
     assert not problems, "\n".join(problems)
 
 
+def test_covered_commands_on_a_gpu_config_say_what_they_need():
+    """A documented training command on a CUDA config that no test runs is marked as needing a GPU (``needs``)."""
+    unmarked = []
+    for command, how in COMMANDS.items():
+        args = train_overrides(command)
+        if isinstance(how, Covered) and args is not None and not how.needs:
+            config, overrides = split_config_arg(args)
+            if load_config(REPO_ROOT / config if config else None, overrides).train.device == "cuda":
+                unmarked.append(command)
+    assert not unmarked, f"set Covered(needs=...) for these GPU commands: {unmarked}"
+
+
 def test_a_misspelt_setting_in_a_page_fails_both_checks():
     """A copy of docs/cluster.md with one setting misspelt: the command is no longer the table's, and its
     overrides no longer load."""
