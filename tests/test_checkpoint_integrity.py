@@ -74,7 +74,7 @@ def _fake_hf(folder: Path) -> None:
 
 
 def _save(root: Path, step: int, model, opt, keep_last: int = 3, **kw) -> Path:
-    st = TrainerState(step=step, scheduler={}, data={"pos": step}, rng=capture_rng(), extra={})
+    st = TrainerState(step=step, scheduler={}, data={"pos": step}, rng=capture_rng())
     return save_checkpoint(
         root, model=model, optimizer=opt, state=st, env=ENV, keep_last=keep_last, write_extra=_fake_hf, **kw
     )
@@ -298,7 +298,7 @@ opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 64)).sum().backward()
 opt.step()
 def save(step):
-    st = state.TrainerState(step=step, scheduler={}, data={"pos": step}, rng=state.capture_rng(), extra={})
+    st = state.TrainerState(step=step, scheduler={}, data={"pos": step}, rng=state.capture_rng())
     return state.save_checkpoint(root, model=model, optimizer=opt, state=st, env=env, keep_last=3)
 older, newest = save(1), save(2)
 out = {"files": sorted(r["path"] for r in json.loads((newest / "MANIFEST.json").read_text())["files"])}
@@ -427,7 +427,7 @@ def test_a_save_interrupted_on_rank_0_alone_leaves_its_folder_to_the_peers_still
         raise raised[0]
 
     monkeypatch.setattr(state, "_write_checkpoint", interrupted)
-    st = TrainerState(step=3, scheduler={}, data={}, rng=capture_rng(), extra={})
+    st = TrainerState(step=3, scheduler={}, data={}, rng=capture_rng())
     two = DistEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(root, model=model, optimizer=opt, state=st, env=two, keep_last=3)

@@ -157,7 +157,7 @@ def test_warmup_steps_and_fraction_set_together_is_an_error(tmp_path):
 def test_the_docs_name_checkpoints_as_they_are_written(tmp_path):
     named = re.search(r"`checkpoints/(step-\d+)/`", DOCS).group(1)
     model = torch.nn.Linear(2, 2)
-    state = TrainerState(step=int(named.split("-")[1]), scheduler={}, data={}, rng=capture_rng(), extra={})
+    state = TrainerState(step=int(named.split("-")[1]), scheduler={}, data={}, rng=capture_rng())
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     written = save_checkpoint(
         tmp_path, model=model, optimizer=torch.optim.AdamW(model.parameters()), state=state, env=env, keep_last=1

@@ -218,7 +218,7 @@ def test_a_resume_runs_the_configured_implementation(tmp_path, saved, resumed):
     model = _net()
     optimizer = build_optimizer(model, _cfg(saved))
     _steps(model, optimizer, 2)
-    state = TrainerState(step=2, scheduler={}, data={}, rng=capture_rng(), extra={})
+    state = TrainerState(step=2, scheduler={}, data={}, rng=capture_rng())
     path = save_checkpoint(tmp_path, model=model, optimizer=optimizer, state=state, env=ENV, keep_last=1)
     _steps(model, optimizer, 3, start=2)
     expected = {n: p.detach().clone() for n, p in model.named_parameters()}

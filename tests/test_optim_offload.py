@@ -81,7 +81,7 @@ def test_offload_keeps_fsdp2_dtensor_state_and_resumes_from_a_checkpoint(tmp_pat
             for key in ("exp_avg", "exp_avg_sq"):
                 assert type(state[key]).__name__ == "DTensor" and state[key].to_local().device.type == "cpu"
                 assert state[key].placements == params[p_id].placements and state[key].shape == params[p_id].shape
-        saved = TrainerState(step=2, scheduler={}, data={}, rng=capture_rng(), extra={})
+        saved = TrainerState(step=2, scheduler={}, data={}, rng=capture_rng())
         path = save_checkpoint(
             tmp_path, model=models[True], optimizer=optimizers[True], state=saved, env=ENV, keep_last=1
         )

@@ -220,7 +220,7 @@ env = DistEnv(0, 1, 0, torch.device("cpu"))
 model = torch.nn.Linear(4, 4)
 opt = torch.optim.AdamW(model.parameters())
 model(torch.ones(1, 4)).sum().backward(); opt.step()
-state = ck.TrainerState(step=1, scheduler={{}}, data={{"pos": 1}}, rng=ck.capture_rng(), extra={{}})
+state = ck.TrainerState(step=1, scheduler={{}}, data={{"pos": 1}}, rng=ck.capture_rng())
 ck.save_checkpoint({str(tmp_path)!r}, model=model, optimizer=opt, state=state, env=env, keep_last=2)
 real_save = dcp.save
 def dying_save(*args, **kwargs):
@@ -252,3 +252,22 @@ def test_bf16_without_cuda_is_refused_with_the_fix(tmp_path, capsys):
     args = tiny_run_args(tmp_path, **{"model.dtype": "bfloat16", "train.device": "auto"})
     assert main(args) == 2
     assert "set model.dtype = 'float32'" in capsys.readouterr().err
+
+
+def test_a_resume_reads_the_trainer_state_and_builds_the_pipelines_once(tmp_path, monkeypatch):
+    """``setup`` reads a resumed checkpoint's trainer state (JSON, the RNG file, every rank's data position, with
+    collectives on several ranks) once, before the model is built, and builds the data pipelines once; it did both
+    twice (the data check, then the DCP load and the batches). The resumed run still continues from step 1."""
+    from vlm_sft.checkpoint import state
+    from vlm_sft.data import build as data_build
+    from vlm_sft.train import main
+
+    args = tiny_run_args(tmp_path, **{"train.max_steps": 2, "train.save_every": 1})
+    assert main(args) == 0  # checkpoints after step 1 (the last step writes final/ only)
+    reads, built = [], []
+    read, pipelines = state._read, data_build.TrainPipelines
+    monkeypatch.setattr(state, "_read", lambda path, env: reads.append(path) or read(path, env))
+    monkeypatch.setattr(data_build, "TrainPipelines", lambda *a, **k: built.append(a) or pipelines(*a, **k))
+    assert main([*args, "--train.max_steps", "3", "--train.resume", "latest"]) == 0
+    assert [p.name for p in reads] == ["step-000001"] and len(built) == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]

@@ -18,6 +18,7 @@ from vlm_sft.checkpoint.state import (
     complete_checkpoints,
     data_file,
     load_checkpoint,
+    read_trainer_state,
     resolve_resume,
     restore_rng,
     rng_file,
@@ -105,7 +106,7 @@ def test_checkpoint_restores_exactly_and_keeps_last(tmp_path):
     for step in (2, 3, 4):
         if step > 2:
             _train(model, opt, sch, 1, start=step - 1)
-        state = TrainerState(step=step, scheduler=sch.state_dict(), data={"pos": step}, rng=capture_rng(), extra={})
+        state = TrainerState(step=step, scheduler=sch.state_dict(), data={"pos": step}, rng=capture_rng())
         save_checkpoint(tmp_path, model=model, optimizer=opt, state=state, env=ENV, keep_last=2)
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003", "step-000004"]
 
@@ -124,7 +125,7 @@ def test_checkpoint_restores_exactly_and_keeps_last(tmp_path):
 def test_interrupted_save_is_never_loaded(tmp_path):
     model = Toy()
     opt = build_optimizer(model, TrainConfig())
-    state = TrainerState(step=1, scheduler={}, data={}, rng=capture_rng(), extra={})
+    state = TrainerState(step=1, scheduler={}, data={}, rng=capture_rng())
     save_checkpoint(tmp_path, model=model, optimizer=opt, state=state, env=ENV, keep_last=2)
     half = tmp_path / "checkpoints" / "step-000002.tmp"
     half.mkdir()
@@ -150,7 +151,8 @@ def _saved(tmp_path):
     model(torch.tensor([1, 2])).backward()
     opt.step()
     rng = capture_rng()
-    state = TrainerState(step=1, scheduler={}, data={"streams": {"0": {"epoch": 0}}}, rng=rng, extra={"n": 1})
+    counters = {"base_fingerprint": "f00d", "trackers": {"tensorboard": {"logging_dir": "tb"}}, "nonfinite_steps": 2}
+    state = TrainerState(step=1, scheduler={}, data={"streams": {"0": {"epoch": 0}}}, rng=rng, **counters)
     return save_checkpoint(tmp_path, model=model, optimizer=opt, state=state, env=ENV, keep_last=2), model, opt
 
 
@@ -165,10 +167,29 @@ def test_checkpoint_holds_no_pickled_entry_and_restores_the_rng(tmp_path):
     fresh = Toy()
     opt2 = build_optimizer(fresh, TrainConfig())
     state = load_checkpoint(path, model=fresh, optimizer=opt2, env=ENV)
-    assert state.extra == {"n": 1} and state.world_size == 1
+    assert (state.base_fingerprint, state.trackers, state.nonfinite_steps) == (
+        "f00d",
+        {"tensorboard": {"logging_dir": "tb"}},
+        2,
+    )
+    assert state.world_size == 1
     assert opt2.param_groups[0]["betas"] == opt.param_groups[0]["betas"]  # a tuple again after JSON
     restore_rng(state.rng)
     assert torch.equal(torch.rand(3), before)
+
+
+def test_the_counters_keep_the_trainer_state_format_of_every_checkpoint(tmp_path):
+    """``trainer_state.json`` keeps the typed counters under ``extra`` with the keys earlier checkpoints have (so
+    either version reads the other's), and a state file of an older vlm-sft, without some of them, reads with their
+    defaults. Fails when the typed fields are written under other keys, or a missing counter is an error."""
+    path, _, _ = _saved(tmp_path)
+    main = json.loads((path / TRAINER_STATE).read_text())
+    assert main["extra"] == {"base": "f00d", "trackers": {"tensorboard": {"logging_dir": "tb"}}, "nonfinite_steps": 2}
+    for extra, expected in [({"base": None, "trackers": {}}, (None, {}, 0)), ({}, (None, None, 0))]:
+        (path / TRAINER_STATE).write_text(json.dumps(main | {"extra": extra}))  # before the non-finite counter
+        state = read_trainer_state(path, env=ENV)
+        assert (state.base_fingerprint, state.trackers, state.nonfinite_steps) == expected
+        assert state.step == 1 and state.data == {"streams": {"0": {"epoch": 0}}}
 
 
 @pytest.mark.parametrize("victim", [TRAINER_STATE, data_file(0), rng_file(0), ".metadata"])

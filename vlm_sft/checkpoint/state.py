@@ -24,7 +24,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -79,10 +79,22 @@ class TrainerState:
     rng: dict
     """torch / numpy / python (/ CUDA) RNG states (``capture_rng``): this rank's, or rank 0's after a resume on more
     ranks than wrote the checkpoint."""
-    extra: dict
-    """Free-form JSON counters (tokens seen, the LoRA base fingerprint, ...)."""
+    base_fingerprint: str | None = None
+    """LoRA runs: the fingerprint of the frozen base the adapters sit on (``model.lora.base_fingerprint``); a resume
+    onto another base is refused. None: a full fine-tune."""
+    trackers: dict | None = None
+    """Rank 0's tracker runs (``MetricsLogger.tracker_state()``): what a resume continues. None: none recorded."""
+    nonfinite_steps: int = 0
+    """Non-finite steps skipped before the save (``trainer.nonfinite``): a resume continues the count."""
     world_size: int = 1
     """Processes that wrote the checkpoint (set on load; informational)."""
+    param_groups: list[dict] = field(default_factory=list)
+    """The optimizer's hyperparameters per group as saved (set on load; a save writes the optimizer's own)."""
+
+    def counters(self) -> dict[str, Any]:
+        """The typed fields as ``trainer_state.json`` keeps them, under ``extra`` with these keys (every checkpoint's
+        format, so older and newer code read each other's)."""
+        return {"base": self.base_fingerprint, "trackers": self.trackers, "nonfinite_steps": self.nonfinite_steps}
 
 
 def capture_rng() -> dict[str, Any]:
@@ -254,7 +266,7 @@ def _write_checkpoint(
         if env.is_main:
             main = {
                 "format": STATE_FORMAT, "step": state.step, "world_size": env.world_size,
-                "scheduler": state.scheduler, "param_groups": optim_sd["param_groups"], "extra": state.extra,
+                "scheduler": state.scheduler, "param_groups": optim_sd["param_groups"], "extra": state.counters(),
             }  # fmt: skip
             _write_json(tmp / TRAINER_STATE, main)
     if write_extra is not None:
@@ -345,8 +357,8 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path} is not JSON ({err}): a damaged checkpoint, or a file from elsewhere") from err
 
 
-def _read(path: Path, env: DistEnv) -> tuple[TrainerState, list[dict]]:
-    """The plain-format part of a checkpoint and the optimizer's param_groups; every rank reads its own RNG file
+def _read(path: Path, env: DistEnv) -> TrainerState:
+    """The plain-format part of a checkpoint, the optimizer's param_groups included; every rank reads its own RNG file
     (rank 0's when the checkpoint has no file for this rank) and its share of the data files (``_read_positions``)."""
     with all_ranks_or_none(env, f"opening the checkpoint {path}"):
         main = _read_json(path / TRAINER_STATE)
@@ -363,8 +375,12 @@ def _read(path: Path, env: DistEnv) -> tuple[TrainerState, list[dict]]:
     data = _read_positions(path, world, env)
     if rng_rank != env.rank:
         logger.info("rank %d: %s was written by %d processes; restoring rank 0's RNG state", env.rank, path, world)
-    state = TrainerState(main["step"], main["scheduler"], data, rng, main["extra"], world)
-    return state, main["param_groups"]
+    extra = main.get("extra") or {}  # a checkpoint of an older vlm-sft may lack a counter: its default
+    return TrainerState(
+        step=main["step"], scheduler=main["scheduler"], data=data, rng=rng, base_fingerprint=extra.get("base"),
+        trackers=extra.get("trackers"), nonfinite_steps=int(extra.get("nonfinite_steps", 0)), world_size=world,
+        param_groups=main["param_groups"],
+    )  # fmt: skip
 
 
 def _read_positions(path: Path, world: int, env: DistEnv) -> dict:
@@ -380,27 +396,34 @@ def _read_positions(path: Path, world: int, env: DistEnv) -> dict:
 
 def read_trainer_state(path: str | Path, *, env: DistEnv) -> TrainerState:
     """A checkpoint's trainer state without the model and optimizer (cheap: JSON and the RNG file), e.g. to check
-    the data position before a long DCP load; every rank must call this."""
-    return _read(Path(path), env)[0]
+    the data position before a long DCP load; every rank must call this. ``load_checkpoint`` takes it back."""
+    return _read(Path(path), env)
 
 
 def load_checkpoint(
-    path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, env: DistEnv, trainable_only: bool = False
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    env: DistEnv,
+    trainable_only: bool = False,
+    state: TrainerState | None = None,
 ) -> TrainerState:
     """Restore model and optimizer in place from ``path`` (any world size: DCP reshards) and return the trainer
     state; every rank must call this. Every parameter (or, ``trainable_only``, every trainable one) and its
     optimizer state is overwritten from DCP, so the model may come in uninitialized (``to_empty``); its
     non-persistent buffers are not in a checkpoint and must be set by whoever built it. ``trainable_only`` must match
     the save's: a LoRA run restores its adapters onto the rebuilt frozen base. The files are read as they are: the
-    trainer checks them against the manifest first (``resolve_resume``), so each byte is hashed once per resume."""
+    trainer checks them against the manifest first (``resolve_resume``), so each byte is hashed once per resume.
+    ``state``: what ``read_trainer_state`` already read of ``path`` (None: read here), so a resume reads it once."""
     path = Path(path)
-    state, saved_groups = _read(path, env)
+    state = _read(path, env) if state is None else state
     with all_ranks_or_none(env, f"reading the DCP metadata of {path}"):
         check_metadata(path)  # a refused file stops here, not inside DCP's collectives
     model_sd, optim_sd = sharded_state(model, optimizer, trainable_only=trainable_only)
     tensors = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     load_tensors(tensors, path)
-    groups = _restore_groups(optim_sd["param_groups"], saved_groups, path)
+    groups = _restore_groups(optim_sd["param_groups"], state.param_groups, path)
     optim = {"state": tensors["optim"]["state"], "param_groups": groups}
     set_sharded_state(model, optimizer, tensors["model"], optim, trainable_only=trainable_only)
     logger.info("resumed from %s at step %d (written by %d process(es))", path, state.step, state.world_size)

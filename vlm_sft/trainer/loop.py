@@ -360,11 +360,9 @@ def _save(run: Run) -> Path:
         scheduler=run.scheduler.state_dict(),
         data=run.train_batches.state_dict(),
         rng=capture_rng(),
-        extra={
-            "base": getattr(run.model, "base_fingerprint", None),  # LoRA: the frozen base the adapters sit on
-            "trackers": run.metrics.tracker_state(),  # rank 0's (the rank that writes this): what a resume continues
-            "nonfinite_steps": run.guard.total,
-        },
+        base_fingerprint=getattr(run.model, "base_fingerprint", None),  # LoRA: the frozen base the adapters sit on
+        trackers=run.metrics.tracker_state(),  # rank 0's (the rank that writes this): what a resume continues
+        nonfinite_steps=run.guard.total,
     )
     return save_checkpoint(
         run.out_dir,

@@ -22,7 +22,7 @@ import torch
 
 from vlm_sft.checkpoint import build
 from vlm_sft.checkpoint.hf_dir import CheckpointIndex
-from vlm_sft.checkpoint.state import load_checkpoint, read_trainer_state, resolve_resume, restore_rng
+from vlm_sft.checkpoint.state import TrainerState, load_checkpoint, read_trainer_state, resolve_resume, restore_rng
 from vlm_sft.config import ConfigError, RunConfig
 from vlm_sft.cpu_threads import set_cpu_threads
 from vlm_sft.data import build as data_build
@@ -55,9 +55,9 @@ from vlm_sft.trainer.scored_eval import ScoredPrompt, scored_eval_prompts
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    """Everything one training run holds between steps (built by ``setup``)."""
+    """Everything one training run holds between steps (built by ``setup``, by keyword)."""
 
     cfg: RunConfig
     env: DistEnv
@@ -150,9 +150,8 @@ def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
     # Checked against its manifest before anything of it is read: a collective (every rank hashes its share of the
     # files), with its own agreements inside; `latest` falls back to the newest intact checkpoint.
     resume_from = resolve_resume(cfg.train.resume, out_dir, env=env)
-    mesh = build_mesh(
-        env, cp_size=cfg.train.cp_size, ep_size=cfg.train.ep_size
-    )  # a collective: every rank, outside the agreements
+    # A collective: every rank, outside the agreements.
+    mesh = build_mesh(env, cp_size=cfg.train.cp_size, ep_size=cfg.train.ep_size)
     # The data's global streams, and which this rank reads (a CP group shares its rows: its data-parallel rank's).
     layout = DataLayout(
         mesh.dp_rank, mesh.dp_size, cfg.train.micro_batches, cfg.data.streams_per_micro_batch, mesh.dims.cp
@@ -161,11 +160,12 @@ def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
     if env.device.type == "cpu":  # one thread count whatever the launcher; each data worker holds a core
         workers = dealt_workers(num_workers, len(layout.cycle()))
         set_cpu_threads(cfg.train.cpu_threads, data_workers=workers, log=env.is_main)
-    saved = None if resume_from is None else read_trainer_state(resume_from, env=env)
+    saved = None if resume_from is None else read_trainer_state(resume_from, env=env)  # read once, used throughout
+    pipelines = data_build.TrainPipelines(cfg, sources.train, renderer)
     if saved is not None:  # a resume that cannot continue exactly is refused before the model is built
         with all_ranks_or_none(env, f"checking {resume_from} against this run"):
             check_position(saved.data, layout)
-            check_data_settings(saved.data, data_build.TrainPipelines(cfg, sources.train, renderer), layout)
+            check_data_settings(saved.data, pipelines, layout)
     resuming = resume_from is not None
     with all_ranks_or_none(env, "building the model"):
         # Parallelized as it is built (LoRA, checkpointing, CP, FSDP): a checkpoint is read slice by slice into each
@@ -175,7 +175,6 @@ def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
     pad_id = int(processor.tokenizer.pad_token_id)
     compute_dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else None
     model.train()
-    pipelines = data_build.TrainPipelines(cfg, sources.train, renderer)
     if env.is_main and sources.train_rows is not None:
         warn_small_streams(sources.train_rows, layout, cfg.data.bfd_buffer, cfg.data.packing)
     total_steps = cfg.train.max_steps or count_steps(pipelines, layout, env, cfg.train.epochs)
@@ -203,22 +202,24 @@ def setup(cfg: RunConfig, env: DistEnv, opened: ExitStack) -> Run:
             run_config=cfg.to_dict(),
             run_name=cfg.train.run_name,
             project=cfg.train.project,
-            tracker_state=saved.extra.get("trackers") if saved is not None else None,  # continue the tracker runs
+            tracker_state=saved.trackers if saved is not None else None,  # continue the tracker runs
         )
         opened.callback(metrics.close)
     weights = {e.label: e.weight for e in cfg.data.sources}
     accounting = RunAccounting(out_dir, env, train_batches, replica=mesh.cp.rank > 0, weights=weights)
     return Run(
-        cfg, env, out_dir, processor, sources, model, optimizer, scheduler, train_batches, accounting, eval_batches,
-        metrics, total_steps, step, compute_dtype, balance, mesh.cp, build.weights_source(cfg), generation,
-        scored=scored, resumed_from=resume_from, guard=_guard(cfg, sources, saved),
+        cfg=cfg, env=env, out_dir=out_dir, processor=processor, sources=sources, model=model, optimizer=optimizer,
+        scheduler=scheduler, train_batches=train_batches, accounting=accounting, eval_batches=eval_batches,
+        metrics=metrics, total_steps=total_steps, step=step, compute_dtype=compute_dtype, balance=balance, cp=mesh.cp,
+        weights_source=build.weights_source(cfg), generation=generation, scored=scored, resumed_from=resume_from,
+        guard=_guard(cfg, sources, saved),
     )  # fmt: skip
 
 
-def _guard(cfg: RunConfig, sources: data_build.DataSources, saved) -> NonFiniteGuard:
+def _guard(cfg: RunConfig, sources: data_build.DataSources, saved: TrainerState | None) -> NonFiniteGuard:
     """The non-finite guard, continuing a resumed run's count; it names a mixture's sources in its reports."""
     mixture = [p.name for p in sources.train.parts] if isinstance(sources.train, data_build.MixedSources) else []
-    skipped = int(saved.extra.get("nonfinite_steps", 0)) if saved is not None else 0
+    skipped = saved.nonfinite_steps if saved is not None else 0
     return NonFiniteGuard(cfg.train.max_nonfinite_steps, skipped, sources=tuple(mixture))
 
 
@@ -255,7 +256,7 @@ def _self_check(cfg: RunConfig, env: DistEnv, out_dir: Path, model, renderer, so
 
 
 def _resume(
-    cfg: RunConfig, env: DistEnv, resume_from: Path | None, saved, model, optimizer, scheduler
+    cfg: RunConfig, env: DistEnv, resume_from: Path | None, saved: TrainerState | None, model, optimizer, scheduler
 ) -> tuple[int, dict | None]:
     """Restore model, optimizer, schedule and RNG from ``resume_from`` (its trainer state ``saved`` was read and its
     data position checked in ``setup``, before the model was built); (step, global data position). A LoRA run's
@@ -266,13 +267,13 @@ def _resume(
     lora = cfg.model.lora is not None
     with all_ranks_or_none(env, f"checking {resume_from}'s frozen base against this run"):
         base = getattr(model, "base_fingerprint", None)
-        if lora and saved.extra.get("base") != base:
+        if lora and saved.base_fingerprint != base:
             raise ConfigError(
-                f"{resume_from} holds adapters trained on another frozen base (fingerprint {saved.extra.get('base')}, "
+                f"{resume_from} holds adapters trained on another frozen base (fingerprint {saved.base_fingerprint}, "
                 f"this run built {base}): resume with the model.name_or_path, revision and model.dtype it was "
                 "trained with"
             )
-    state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env, trainable_only=lora)
+    state = load_checkpoint(resume_from, model=model, optimizer=optimizer, env=env, trainable_only=lora, state=saved)
     scheduler.load_state_dict(state.scheduler)
     follow_configured_lr(cfg.train.lr, optimizer, scheduler, log=env.is_main)
     restore_rng(state.rng)
