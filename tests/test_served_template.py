@@ -231,3 +231,15 @@ def test_a_template_that_writes_videos_otherwise_fails_the_served_check(served, 
     with pytest.raises(TemplateParityError, match="served_video") as err:
         data_build.check_served_template(run_config(enable_thinking), broken, renderer, [], warn=False)
     assert error in str(err.value)
+
+
+def test_a_template_without_video_passes_the_check_with_a_warning(served, caplog):
+    """A template that writes nothing for a video (an image-only template) serves no video: the run may train on
+    images with it (a video row is then a counted skip), and the check says so instead of refusing the run."""
+    enable_thinking, renderer, saved = served
+    broken = load_processor(saved.tokenizer.name_or_path)
+    wrapper = "'<|vision_start|><|video_pad|><|vision_end|>'"
+    broken.chat_template = broken.tokenizer.chat_template = saved.chat_template.replace(wrapper, "''")
+    with caplog.at_level("WARNING"):
+        data_build.check_served_template(run_config(enable_thinking), broken, renderer, [], warn=False)
+    assert "writes no video" in caplog.text

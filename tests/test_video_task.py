@@ -1,7 +1,7 @@
 """The shapes video task (``configs/debug_video.toml``): a run on it trains, evaluates and answers by task; the whole
 run learns the order of the colours, and transformers alone, serving its ``final/``, answers as it was trained.
 
-The learning checks take minutes: they run with ``VLM_SFT_LEARNING_CHECK=1`` (as the default run's colour check
+The learning checks take minutes: they run with ``VLM_SFT_LEARNING_CHECKS=1`` (as the default run's colour check
 does); the served one also needs a Python with torchvision (``VLM_SFT_TORCHVISION_PYTHON``, the environment of
 ``tools/make_video_references.py``), which the project's environment cannot hold.
 """
@@ -14,12 +14,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from train_helpers import Background, read_metrics
+from train_helpers import LEARNING_CHECK, Background, read_metrics
 
 from vlm_sft.config import REPO_ROOT
 
 CONFIG = "configs/debug_video.toml"
-LEARNING_CHECK = "VLM_SFT_LEARNING_CHECK"
 TORCHVISION_PYTHON = "VLM_SFT_TORCHVISION_PYTHON"
 
 
