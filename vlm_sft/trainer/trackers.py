@@ -12,7 +12,7 @@
   step), trackio ``trackio.Table``; TensorBoard a markdown table as ``samples`` text.
 
 **Resume.** ``Trackers.state()`` is plain JSON that the trainer keeps in the checkpoint's ``trainer_state.json``
-(``extra["trackers"]``); a resumed run passes it back and each tracker continues the same run: W&B by run id
+(``TrainerState.trackers``); a resumed run passes it back and each tracker continues the same run: W&B by run id
 (``resume="allow"``), MLflow by ``run_id``, trackio by project and run name (``resume="allow"``), TensorBoard in the
 same folder with ``purge_step = start_step + 1``, which hides what the killed run logged after the checkpoint, so the
 resumed run's steps replace it (the run's ``metrics.jsonl`` is truncated the same way). W&B and MLflow cannot hide
@@ -277,7 +277,7 @@ TRACKERS: dict[str, type[_Tracker]] = {t.name: t for t in (_TensorBoard, _WandB,
 class Trackers:
     """The run's trackers, started on construction (rank 0 only: ``MetricsLogger`` builds none elsewhere).
 
-    ``state``: what ``state()`` returned in the run that wrote the resumed checkpoint (``extra["trackers"]``), or
+    ``state``: what ``state()`` returned in the run that wrote the resumed checkpoint (``TrainerState.trackers``), or
     None; a tracker without saved state starts a new tracker run and stores ``config`` in it.
     """
 
