@@ -284,3 +284,16 @@ def test_the_notebook_view_shows_the_frames_the_tower_receives(small_renderer):
     assert int((ours.int() - expected.int()).abs().max()) <= 1  # float32 normalize and back: at most one level
     assert not torch.equal(ours[0], ours[-1])  # the clip moves: the guard that frames are not all one
     assert len(plot_video(sample, SMALL).axes) == 2
+
+
+def test_video_rows_without_a_vision_tower_are_a_config_error(tmp_path, capsys):
+    """A video-only row needs ``[model.vlm]`` as an image does (a video has no images to count, and was let through)."""
+    from vlm_sft.train import main
+
+    (tmp_path / "a.mp4").write_bytes((FIXTURES / "a_64x48_24fps.mp4").read_bytes())
+    row = {"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]},
+                        {"role": "assistant", "content": "red"}]}  # fmt: skip
+    (tmp_path / "v.jsonl").write_text(json.dumps(row) + "\n")
+    argv = ["--data.source", str(tmp_path / "v.jsonl"), "--model.vlm", "none", "--data.num_workers", "0"]
+    assert main([*argv, "--train.output_dir", str(tmp_path / "run"), "--train.max_steps", "1"]) == 2
+    assert "0 image(s) and 1 video(s) but the config has no [model.vlm] section" in capsys.readouterr().err

@@ -391,9 +391,10 @@ class _RequireVLM:
         if self.progress is not None:
             self.progress.update(1)
         sample = self.fn(index)
-        if sample.num_images and not self.has_vlm:
+        if sample.multi_modal_data is not None and not self.has_vlm:
             raise ConfigError(
-                f"sample {index} has {sample.num_images} image(s) but the config has no [model.vlm] section; "
+                f"sample {index} has {sample.num_images} image(s) and {sample.num_videos} video(s) but the config has "
+                "no [model.vlm] section; "
                 "add [model.vlm] (freeze_vision = true keeps the tower fixed)"
             )
         return sample
