@@ -127,8 +127,8 @@ def test_a_video_path_outside_the_root_is_refused_before_it_is_opened(tmp_path):
 
 
 @torch.no_grad()
-def test_a_rendered_video_conversation_gives_transformers_logits(small_renderer, image_files):
-    """Renderer to model end to end: our model on our items == transformers' on ``transformers_inputs``."""
+def assert_transformers_logits(sample) -> None:
+    """Our tiny model on a rendered sample's items == transformers' on ``transformers_inputs`` (same weights)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     from vlm_sft.data.mrope import sample_position_ids
@@ -139,14 +139,19 @@ def test_a_rendered_video_conversation_gives_transformers_logits(small_renderer,
     ref = Qwen3_5ForConditionalGeneration(cfg).eval()
     ours = build_model(cfg)
     ours.load_state_dict(ref.state_dict())
-    sample = small_renderer.render(mixed_conversation(image_files[1]))
     mm = sample.multi_modal_data
     ids, types = sample.token_ids[None], sample.mm_token_type_ids[None]
-    theirs = ref(input_ids=ids, mm_token_type_ids=types, **transformers_inputs(mm)).logits
-    positions = sample_position_ids(sample.mm_token_type_ids, mm.image_grid_thw)[:, None]
-    mine = ours(ids, position_ids=positions, mm_token_type_ids=types, pixel_values=mm.pixel_values,
-                image_grid_thw=mm.image_grid_thw)  # fmt: skip
+    with torch.no_grad():
+        theirs = ref(input_ids=ids, mm_token_type_ids=types, **transformers_inputs(mm)).logits
+        positions = sample_position_ids(sample.mm_token_type_ids, mm.image_grid_thw)[:, None]
+        mine = ours(ids, position_ids=positions, mm_token_type_ids=types, pixel_values=mm.pixel_values,
+                    image_grid_thw=mm.image_grid_thw)  # fmt: skip
     assert float((mine - theirs).abs().max()) <= 1e-5 and float(theirs.abs().max()) > 0.1
+
+
+def test_a_rendered_video_conversation_gives_transformers_logits(small_renderer, image_files):
+    """Renderer to model end to end: our model on our items == transformers' on ``transformers_inputs``."""
+    assert_transformers_logits(small_renderer.render(mixed_conversation(image_files[1])))
 
 
 def test_a_run_trains_on_video_rows_and_reports_them(tmp_path):
