@@ -186,6 +186,17 @@ def test_a_run_trains_on_video_rows_and_reports_them(tmp_path):
     assert report([*common, "--out", str(out)]) == 0
     summary = json.loads(out.read_text())
     assert summary["videos"] == 8 and summary["video_tokens"] > 0 and summary["images"] == 0
+    from processors import load_tiny_processor
+
+    renderer = Qwen3_5Renderer(
+        load_tiny_processor(), video_settings=VideoSettings(4, min_pixels=1024, max_pixels=16384)
+    )
+    groups = 0
+    for clip in ("a_64x48_24fps.mp4", "b_40x72_30fps.mp4"):
+        video = {"type": "video", "video": str(tmp_path / "clips" / clip)}
+        sample = renderer.render([{"role": "user", "content": [video]}, {"role": "assistant", "content": "x"}])
+        groups += sample.multi_modal_data.videos[0].num_groups
+    assert summary["video_frames"] == 4 * 2 * groups  # two frames per group, 4 rows of each clip
     assert [e["row"] for e in summary["skipped"]["corrupt_video"]["examples"]] == [8]
 
 

@@ -83,7 +83,10 @@ def format_report(report: dict) -> str:
         f"  packing efficiency{report['packing_efficiency']:>10.4f}",
         f"  images            {report['images']:>10}",
         *(
-            [f"  videos            {report['videos']:>10} ({report['video_tokens']} video tokens)"]
+            [
+                f"  videos            {report['videos']:>10} ({report['video_frames']} frames, "
+                f"{report['video_tokens']} video tokens)"
+            ]
             if report.get("videos")
             else []
         ),

@@ -92,6 +92,11 @@ class Pack:
     def num_video_tokens(self) -> int:
         return sum(s.num_video_tokens for s in self.samples)
 
+    @property
+    def num_video_frames(self) -> int:
+        """Frames the tower sees: two per temporal group (Qwen3.5's temporal patch; an odd count repeats the last)."""
+        return 2 * sum(s.num_video_groups for s in self.samples)
+
 
 class Packer(ABC):
     """Base of the streaming packers (see the module docstring for the protocol)."""

@@ -363,12 +363,13 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
 
     Returns ``samples_seen``, ``samples_packed``, ``skipped`` ``{reason: {count, examples}}``, ``packs``, ``rows``,
     ``real_tokens``, ``trainable_tokens``, ``padding_tokens``, ``capacity_tokens``, ``packing_efficiency`` (real /
-    capacity), ``images``, ``videos``, ``video_tokens``, ``patches_per_pack`` ``{min, median, max}`` and ``pack_len``; for a mixture also
+    capacity), ``images``, ``videos``, ``video_frames``, ``video_tokens``,
+    ``patches_per_pack`` ``{min, median, max}`` and ``pack_len``; for a mixture also
     ``sources`` ``{name: {seen, packed, skipped, samples_skipped, buffered, real_tokens, trainable_tokens}}``.
     """
     if pipeline.epochs is None:
         raise ValueError("summarize_pass needs a finite pipeline: set epochs to an integer")
-    packs = rows = real = trainable = capacity = images = videos = video_tokens = packed = 0
+    packs = rows = real = trainable = capacity = images = videos = video_frames = video_tokens = packed = 0
     patches: list[int] = []
     for pack in pipeline:
         packs += 1
@@ -378,6 +379,7 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
         capacity += pack.capacity
         images += pack.num_images
         videos += pack.num_videos
+        video_frames += pack.num_video_frames
         video_tokens += pack.num_video_tokens
         packed += len(pack.samples)
         patches.append(pack.num_patches)
@@ -399,6 +401,7 @@ def summarize_pass(pipeline: PackingPipeline) -> dict:
         **({"sources": {n: c.to_dict() for n, c in accounting.sources.items()}} if accounting.sources else {}),
         "images": images,
         "videos": videos,
+        "video_frames": video_frames,
         "video_tokens": video_tokens,
         "patches_per_pack": {
             "min": min(patches, default=0),
