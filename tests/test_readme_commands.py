@@ -211,6 +211,14 @@ COMMANDS: dict[str, Run | Covered] = {
         "tests/test_plot.py runs the CLI on a run folder",
         ("tests/test_plot.py", 'cli = [sys.executable, "-m", "vlm_sft.plot"]'),
     ),
+    "accelerate launch vlm_sft/train.py --config configs/debug_video.toml": Covered(
+        "tests/test_video_task.py trains the shipped config, made small, and scores its video task",
+        ("tests/test_video_task.py", "def test_the_video_config_trains_and_scores_the_video_task"),
+    ),
+    "python -m vlm_sft.generate outputs/debug_video/final --data data/shapes/seed0-size64-video0.3/eval.jsonl": Covered(
+        "tests/test_video_task.py asks that run's final/ over its held-out file, clips included, the same way",
+        ("tests/test_video_task.py", '[str(run / "final"), "--data", str(held_out)'),
+    ),
     'python -m vlm_sft.generate outputs/debug/final --video clip.mp4 --prompt "What moves?"': Covered(
         "tests/test_video_render.py asks a checkpoint about a clip with the same arguments",
         ("tests/test_video_render.py", '"--video", CLIP, "--prompt", "What moves?"'),

@@ -42,6 +42,14 @@ def test_the_video_config_trains_and_scores_the_video_task(tmp_path):
     rows = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     videos = [r for r in rows if r["task"] == "video"]
     assert videos and all("<|video_pad|>" in r["prompt"] and "seconds>" in r["prompt"] for r in videos)
+    from vlm_sft.generate import main as generate  # the docs' command on the held-out file, its clips included
+
+    held_out = _held_out(run) / "eval.jsonl"
+    out = tmp_path / "replies.jsonl"
+    argv = ["--max-new-tokens", "8", "--out", str(out)]
+    assert generate([str(run / "final"), "--data", str(held_out), *argv]) == 0
+    tasks = [json.loads(line)["task"] for line in held_out.read_text().splitlines()]
+    assert "video" in tasks and len(out.read_text().splitlines()) == len(tasks) == 30
 
 
 @pytest.fixture(scope="module")

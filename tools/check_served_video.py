@@ -1,6 +1,10 @@
-"""Ask a trained checkpoint about the held-out videos of its data through transformers alone: transformers' own
-processor (its video processor decodes, samples and resizes each clip by the settings saved in the checkpoint) and
-``Qwen3_5ForConditionalGeneration.generate``, greedy. Prints how many replies equal the reference exactly.
+"""Ask a trained checkpoint about the held-out videos of its data through transformers alone: transformers' PyAV
+reader decodes each clip, transformers' own processor samples and resizes it by the settings saved in the checkpoint
+and writes the prompt, and ``Qwen3_5ForConditionalGeneration.generate`` answers, greedy. Prints how many replies
+equal the reference exactly.
+
+The processor's own decoder is torchcodec, which needs FFmpeg libraries of the system; transformers' ``load_video``
+with ``backend="pyav"`` is its other reader, and the processor samples the decoded frames as it samples its own.
 
 transformers' video processor needs torchvision, which does not install beside the project's CPU torch, so this runs
 in the environment of ``tools/make_video_references.py`` (its docstring says how to make it). After the video run
@@ -18,19 +22,40 @@ import argparse
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoProcessor, Qwen3_5ForConditionalGeneration
+from transformers.video_utils import load_video
 
 
-def _prompt(messages: list[dict], root: Path) -> tuple[list[dict], str]:
-    """The conversation up to its last reply, with video paths made absolute, and that reply's text."""
+def _prompt(messages: list[dict], root: Path) -> tuple[list[dict], list[str], str]:
+    """The conversation up to its last reply, the absolute paths of its videos, and that reply's text."""
     *prompt, reply = messages
-    for message in prompt:
-        for block in message["content"] if isinstance(message["content"], list) else []:
-            if block.get("type") == "video":
-                block["video"] = str(root / block["video"])
+    videos = [
+        str(root / block["video"])
+        for message in prompt
+        for block in (message["content"] if isinstance(message["content"], list) else [])
+        if block.get("type") == "video"
+    ]
     text = reply["content"] if isinstance(reply["content"], str) else "".join(b["text"] for b in reply["content"])
-    return prompt, text
+    return prompt, videos, text
+
+
+def _every_frame(metadata, **_) -> np.ndarray:
+    return np.arange(metadata.total_num_frames)
+
+
+def _inputs(processor, prompt: list[dict], paths: list[str]) -> dict:
+    """What the processor makes of the prompt: every frame decoded, then sampled by the processor's saved settings."""
+    text = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    videos, metadata = [], []
+    for path in paths:
+        frames, meta = load_video(path, backend="pyav", sample_indices_fn=_every_frame)
+        meta.frames_indices = None
+        videos.append(frames)
+        metadata.append(dict(meta))
+    extra = {"videos": videos, "video_metadata": metadata, "do_sample_frames": True} if videos else {}
+    return processor(text=[text], return_tensors="pt", **extra)
 
 
 def main() -> None:
@@ -46,10 +71,8 @@ def main() -> None:
     rows = [r for r in rows if not args.task or r.get("task") == args.task][: args.limit]
     right = 0
     for row in rows:
-        prompt, reference = _prompt(row["messages"], args.data.parent)
-        inputs = processor.apply_chat_template(
-            prompt, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
-        )
+        prompt, paths, reference = _prompt(row["messages"], args.data.parent)
+        inputs = _inputs(processor, prompt, paths)
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=32, do_sample=False)
         reply = processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)

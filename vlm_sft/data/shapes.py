@@ -157,7 +157,7 @@ def _video_sample(rng: random.Random, name: str, image_size: int) -> ShapesSampl
     question = {"type": "text", "text": rng.choice(_VIDEO_QUESTIONS[when])}
     turns = [
         {"role": "user", "content": [{"type": "video", "video": path}, question]},
-        _assistant(f"The {shape} is {answer} at the {when}."),
+        _assistant(f"At the {when} it is {answer}."),  # the colour only: the shape task is scored on its own
     ]
     return ShapesSample(messages=turns, images={}, task="video", answer=answer, videos={path: frames})
 
