@@ -269,7 +269,7 @@ def video_placeholder_text(
 
 def load_video(source: Any, settings: VideoSettings, *, fps: float | None = None) -> ProcessedVideo:
     """Any accepted source to a ``ProcessedVideo``, or ``RenderError`` (reasons: ``missing_video``,
-    ``corrupt_video``, ``empty_video``, ``short_video``, ``bad_video_source``, ``remote_video``,
+    ``corrupt_video``, ``unsupported_codec``, ``empty_video``, ``short_video``, ``bad_video_source``, ``remote_video``,
     ``bad_aspect_ratio``).
 
     Sources: a path or ``file://`` URI, encoded bytes, a ``{"bytes", "path"}`` dict (datasets' ``Video``
@@ -379,6 +379,10 @@ def _decode_sampled(data: bytes | Path, origin: str, settings: VideoSettings) ->
                 raise RenderError("empty_video", f"{origin}: the video has no frames")
             indices = sample_frame_indices(total, source_fps, settings)
             frames = _decode_frames(container, stream, indices)
+    except av.error.DecoderNotFoundError as e:
+        raise RenderError(
+            "unsupported_codec", f"{origin}: this FFmpeg (PyAV's) has no decoder for its codec; re-encode it (H.264)"
+        ) from e
     except av.error.FFmpegError as e:
         raise RenderError("corrupt_video", f"{origin}: {type(e).__name__}: {e}") from e
     if len(frames) < len(indices):

@@ -225,6 +225,7 @@ def test_bad_videos_are_render_errors(tmp_path):
     assert _reason(data[: len(data) // 2]) == "corrupt_video"  # truncated (the index is at the end)
     assert _reason(str(tmp_path / "zero.mp4")) == "corrupt_video"
     assert _reason(b"this is not a video, just some text") == "corrupt_video"
+    assert b"avc1" in data and _reason(data.replace(b"avc1", b"zzzz")) == "unsupported_codec"  # no decoder has it
     assert _reason(png.read_bytes()) == "short_video"  # FFmpeg reads an image file as a 1-frame video
     assert _reason(str(tmp_path / "missing.mp4")) == "missing_video"
     assert _reason(str(tmp_path)) == "missing_video"
