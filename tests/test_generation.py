@@ -3,7 +3,8 @@ equals what transformers' ``generate`` says on the exported checkpoint, on 2 ran
 
 Four short real runs side by side (the cores are shared; each trains ~40 steps of the shapes task, enough for the
 replies' template to be learned, so replies are real sentences, not noise), then ``python -m vlm_sft.generate`` on
-their ``final/``: the tool a user serves the checkpoint with, transformers' model and the checkpoint's own template.
+their ``final/`` (its ``main``, in this process): the tool a user serves the checkpoint with, transformers' model and
+the checkpoint's own template.
 
 ``VLM_SFT_LEARNING_CHECKS=1`` also runs the default run as the README starts it and asks its ``final/`` the held-out
 colour questions through transformers, with the template's default and with ``enable_thinking=False``.
@@ -11,6 +12,8 @@ colour questions through transformers, with the template's default and with ``en
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -47,13 +50,24 @@ def _samples(run: Path, step: int, *, scored: bool = False) -> dict[int, dict]:
     return {r["index"]: r for r in rows if r["step"] == step and ("score" in r) == scored}
 
 
+def _generate_cli(*args: str) -> str:
+    """``python -m vlm_sft.generate ARGS``: its ``main`` in this process (the imports are paid once, ~5 s a launch),
+    on one thread as the launched tool computes (``OMP_NUM_THREADS=1``); what it printed."""
+    from vlm_sft.generate import main
+
+    threads, printed = torch.get_num_threads(), io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(printed):
+            assert main(list(args)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return printed.getvalue()
+
+
 def _transformers_replies(final: Path, data: Path, out: Path, *extra: str) -> dict[int, dict]:
     """``python -m vlm_sft.generate`` on ``final`` over the held-out file (rows in file order)."""
-    subprocess.run(
-        [sys.executable, "-m", "vlm_sft.generate", str(final), "--data", str(data), "--max-new-tokens", "16",
-         "--out", str(out), *extra],
-        cwd=REPO_ROOT, env=launch_env(), check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    _generate_cli(str(final), "--data", str(data), "--max-new-tokens", "16", "--out", str(out), *extra)
     return {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
 
 
@@ -198,12 +212,8 @@ def test_one_question_about_an_image_from_the_command_line(runs):
     )
     image = _held_out(run).parent / "images" / ours["images"][0]
     question = ours["prompt"].split("<|vision_end|>")[1].split("<|im_end|>")[0]
-    done = subprocess.run(
-        [sys.executable, "-m", "vlm_sft.generate", str(run / "final"), "--image", str(image), "--prompt", question,
-         "--max-new-tokens", "16"],
-        cwd=REPO_ROOT, env=launch_env(), check=True, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert f"0: {ours['reply']!r}" in done.stdout, (done.stdout, ours)
+    printed = _generate_cli(str(run / "final"), "--image", str(image), "--prompt", question, "--max-new-tokens", "16")
+    assert f"0: {ours['reply']!r}" in printed, (printed, ours)
 
 
 @pytest.mark.slow

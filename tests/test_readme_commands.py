@@ -169,8 +169,8 @@ COMMANDS: dict[str, Run | Covered] = {
         env=(("MASTER", "127.0.0.1"),),
     ),
     "python -m vlm_sft.generate outputs/debug/final --data data/shapes/seed0-size64/eval.jsonl": Covered(
-        "tests/test_generation.py asks a trained tiny run's final/ over its held-out file with the same command",
-        ("tests/test_generation.py", '"-m", "vlm_sft.generate", str(final), "--data"'),
+        "tests/test_generation.py asks a trained tiny run's final/ over its held-out file with the same arguments",
+        ("tests/test_generation.py", '_generate_cli(str(final), "--data"'),
     ),
     (
         "python -m vlm_sft.generate outputs/debug/final --image data/shapes/seed0-size64/images/eval-000001.png "
