@@ -1,10 +1,10 @@
 """Generated answers in eval: what the trainer's greedy replies (``trainer.generation``, on the decode cache) say
 equals what transformers' ``generate`` says on the exported checkpoint, on 2 ranks as on 1, dense, MoE and LoRA.
 
-Four short real runs side by side (the cores are shared; each trains ~40 steps of the shapes task, enough for the
-replies' template to be learned, so replies are real sentences, not noise), then ``python -m vlm_sft.generate`` on
-their ``final/`` (its ``main``, in this process): the tool a user serves the checkpoint with, transformers' model and
-the checkpoint's own template.
+Four short real runs side by side (the cores are shared; each trains 24 steps of the shapes task, enough for the
+replies' template to be learned, so replies are real sentences, not noise: every run's 12 are at step 24, while at
+step 12 MoE and LoRA still babble), then ``python -m vlm_sft.generate`` on their ``final/`` (its ``main``, in this
+process): the tool a user serves the checkpoint with, transformers' model and the checkpoint's own template.
 
 ``VLM_SFT_LEARNING_CHECKS=1`` also runs the default run as the README starts it and asks its ``final/`` the held-out
 colour questions through transformers, with the template's default and with ``enable_thinking=False``.
@@ -27,7 +27,7 @@ from train_helpers import LEARNING_CHECK, Background, launch_env, read_metrics, 
 from vlm_sft.config import REPO_ROOT
 from vlm_sft.data.shapes import materialize_shapes
 
-STEPS = 40
+STEPS = 24
 RUN = {
     "data.shapes.num_train": 400,
     "data.shapes.num_eval": 24,
