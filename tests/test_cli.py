@@ -10,6 +10,7 @@ import re
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -24,19 +25,31 @@ DOCS = "\n".join(page.read_text() for page in PAGES)
 """README.md and docs/*.md."""
 
 
+ENTRY_POINTS = [
+    ("vlm_sft/train.py",),
+    ("-m", "vlm_sft.report"),
+    ("-m", "vlm_sft.check_packing"),
+    ("-m", "vlm_sft.evaluate"),
+]
+
+
 def _help(*entry: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, *entry, "--help"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
 
 
-@pytest.mark.parametrize(
-    "entry",
-    [("vlm_sft/train.py",), ("-m", "vlm_sft.report"), ("-m", "vlm_sft.check_packing"), ("-m", "vlm_sft.evaluate")],
-    ids=str,
-)
-def test_help_lists_every_config_field_and_exits_0(entry):
-    proc = _help(*entry)
+@pytest.fixture(scope="module")
+def helps() -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """``--help`` of every entry point, launched side by side (each is one process, mostly importing), once for the
+    tests below that read it."""
+    with ThreadPoolExecutor(len(ENTRY_POINTS)) as pool:
+        return dict(zip(ENTRY_POINTS, pool.map(lambda entry: _help(*entry), ENTRY_POINTS), strict=True))
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=str)
+def test_help_lists_every_config_field_and_exits_0(entry, helps):
+    proc = helps[entry]
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "usage:" in out and "--config FILE" in out and "--section.field VALUE" in out
@@ -48,16 +61,16 @@ def test_help_lists_every_config_field_and_exits_0(entry):
     assert "train.warmup_fraction: float | None = none" in out and "train.log_all_ranks: bool = false" in out
 
 
-def test_check_packing_help_states_the_calibrated_bound():
+def test_check_packing_help_states_the_calibrated_bound(helps):
     """``--help`` names the bound without importing the model stack (which took 13 s); the number must stay true."""
     from vlm_sft.checks.packing_check import RATIO_BOUND
 
-    assert f"RATIO_BOUND, {RATIO_BOUND:g};" in " ".join(_help("-m", "vlm_sft.check_packing").stdout.split())
+    assert f"RATIO_BOUND, {RATIO_BOUND:g};" in " ".join(helps[("-m", "vlm_sft.check_packing")].stdout.split())
 
 
-def test_help_is_not_read_as_an_override():
+def test_help_is_not_read_as_an_override(helps):
     """The bug: ``--help`` went to the override parser, which said ``override '--help' has no value``."""
-    proc = _help("vlm_sft/train.py")
+    proc = helps[("vlm_sft/train.py",)]
     assert "config error" not in proc.stderr and "has no value" not in proc.stderr
 
 
