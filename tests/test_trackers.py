@@ -8,7 +8,6 @@ import importlib.util
 import io
 import json
 import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -19,9 +18,9 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from train_helpers import TRAIN_SCRIPT, Background, launch_env, read_metrics, run_training, tiny_run_args
+from train_helpers import Background, read_metrics, run_training, tiny_run_args
 
-from vlm_sft.config import REPO_ROOT, ConfigError, TrainConfig
+from vlm_sft.config import ConfigError, TrainConfig
 from vlm_sft.trainer import trackers
 from vlm_sft.trainer.metrics import MetricsLogger
 
@@ -254,20 +253,15 @@ def test_missing_package_fails_with_the_pip_install(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
-def test_training_refuses_a_missing_tracker_before_writing_anything(tmp_path):
+def test_training_refuses_a_missing_tracker_before_writing_anything(tmp_path, capsys):
     # Fails when the check only runs in MetricsLogger, after the data and the model are prepared (config.json is
-    # written at the very start of set-up).
-    args = tiny_run_args(tmp_path, **{"train.report_to": "wandb"})
-    proc = subprocess.run(
-        [sys.executable, TRAIN_SCRIPT, *args],
-        env=launch_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "config error" in proc.stderr and "pip install wandb" in proc.stderr
+    # written at the very start of set-up). The trainer's main in this process, as for the refusals of
+    # test_checkpoint_integrity: a launch would spend its seconds importing.
+    from vlm_sft.train import main
+
+    code, err = main(tiny_run_args(tmp_path, **{"train.report_to": "wandb"})), capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "config error" in err and "pip install wandb" in err
     assert not (tmp_path / "run" / "config.json").exists()
 
 
