@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -86,8 +87,12 @@ def test_accelerate_launch_trains_with_as_many_threads_as_python(tmp_path):
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
-    python = run([sys.executable, str(script)])
-    accelerate = run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", str(script)])
+    launches = (
+        [sys.executable, str(script)],
+        [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", str(script)],
+    )
+    with ThreadPoolExecutor(2) as pool:  # side by side: each is one process at a time, mostly importing
+        python, accelerate = pool.map(run, launches)
     assert accelerate["omp"] == "1" and python["omp"] is None  # what the launchers did
     assert accelerate["before"] == 1  # ... and what torch would have used
     assert accelerate["after"] == python["after"] == len(os.sched_getaffinity(0))
