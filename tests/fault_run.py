@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -53,6 +54,9 @@ def plant(fault: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    # Ctrl-C as at a terminal, however pytest was started: a suite run in the background of a script (``cmd &``)
+    # ignores SIGINT, its children inherit that, and Python then never turns SIGINT into KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     atexit.register(lambda: print(TEARDOWN_MARKER, file=sys.stderr, flush=True))
     from vlm_sft.train import cli
 
