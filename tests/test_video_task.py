@@ -17,14 +17,16 @@ import pytest
 from train_helpers import LEARNING_CHECK, Background, read_metrics
 
 from vlm_sft.config import REPO_ROOT
+from vlm_sft.data.shapes import shapes_dir
 
 CONFIG = "configs/debug_video.toml"
 TORCHVISION_PYTHON = "VLM_SFT_TORCHVISION_PYTHON"
 
 
 def _held_out(run: Path) -> Path:
-    shapes = json.loads((run / "config.json").read_text())["data"]["shapes"]
-    return Path(shapes["root"]) / f"seed{shapes['seed']}-size{shapes['image_size']}-video{shapes['video_share']:g}"
+    """The run's materialized shapes folder (``shapes_dir``, as the run's own config names it)."""
+    s = json.loads((run / "config.json").read_text())["data"]["shapes"]
+    return shapes_dir(s["root"], s["seed"], s["image_size"], s["video_share"])
 
 
 def test_the_video_config_trains_and_scores_the_video_task(tmp_path):

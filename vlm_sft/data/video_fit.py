@@ -42,9 +42,7 @@ def _plan(mm: MultiModalData, excess: int) -> list[list[int]] | None:
     sizes = [_group_tokens(mm, v) for v in mm.videos]
     most = max(v.num_groups for v in mm.videos)
     for step in range(most - 1, -1, -1):
-        plan = [
-            kept_groups(v.num_groups, max(v.min_groups, math.ceil(v.num_groups * step / most), 1)) for v in mm.videos
-        ]
+        plan = [kept_groups(v.num_groups, max(v.min_groups, math.ceil(v.num_groups * step / most))) for v in mm.videos]
         saved = sum(sum(s) - sum(s[g] for g in keep) for s, keep in zip(sizes, plan, strict=True))
         if saved >= excess:
             return plan
