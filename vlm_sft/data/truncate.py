@@ -119,8 +119,8 @@ def truncate_sample(sample: RenderedSample, seq_len: int, *, policy: TruncationP
         if first.offset - 1 < cut < last.end + 1:
             raise SkipSample(
                 REASON_VIDEO_TOO_LONG,
-                f"{where}: a video of {video.num_groups} groups (its fewest) does not fit; lower data.video_max_pixels "
-                "or data.video_fps, or raise data.seq_len",
+                f"{where}: a video of {video.num_groups} groups (its fewest) does not fit; lower data.video_max_pixels or "
+                "data.video_min_frames, or raise data.seq_len",
                 sample_index=sample.sample_index,
             )
     if cut < 2 or not bool(sample.loss_mask[1:cut].any()):
